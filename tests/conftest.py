@@ -1,0 +1,28 @@
+"""Shared fixtures: one very small embedded VLM, built offline once per test session."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vlmrl.data import make_task, vocabulary_texts
+from vlmrl.models import TinyVLMConfig, build_tiny_vlm, load_policy
+
+TEST_MODEL = TinyVLMConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                           vision_depth=1, vision_dim=32, vision_heads=2, vocab_size=400)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny"), vocabulary_texts(0), TEST_MODEL, seed=0)
+
+
+@pytest.fixture
+def policy(tiny_model_dir):
+    return load_policy(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def count_samples():
+    return make_task("shapes_count", 12, "train", seed=0)

@@ -1,0 +1,5 @@
+import sys
+
+from vlmrl.cli import main
+
+sys.exit(main())

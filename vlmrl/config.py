@@ -1,0 +1,300 @@
+"""Recipes: one typed config, YAML files, dotted command-line overrides, validated before anything is built.
+
+Defaults are the quickstart: `Config()` is what `vlmrl train` runs with no arguments. Every field's help text is its
+comment; `vlmrl train --help` points here and to docs/recipes.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe key or value that is not allowed; raised before any model or data is built."""
+
+
+@dataclass
+class TinyModelConfig:
+    hidden_size: int = 96  # text width of the embedded Qwen2-VL
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    vision_depth: int = 2
+    vision_dim: int = 96
+    vision_heads: int = 4
+    vocab_size: int = 512  # BPE vocabulary trained on the built-in tasks' text
+    initializer_range: float = 0.1  # 0.02 leaves the tiny model blind to the image (DESIGN.md)
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str = "tiny"  # "tiny" builds the embedded model; else a hub name or a folder (a checkpoint too)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "cpu"
+    min_pixels: int | None = None  # pixel budget per image, the same for generation and training
+    max_pixels: int | None = None
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@dataclass
+class DataConfig:
+    # each split: {task: NAME, n: N, ...task options} for a built-in task, {path: FILE} for user data, or a list
+    train: Any = field(default_factory=lambda: {"task": "shapes_count", "n": 4000})
+    sft: Any = field(default_factory=lambda: {"task": "shapes_count", "n": 300})  # labelled warm-start subset
+    eval: Any = field(default_factory=lambda: {"task": "shapes_count", "n": 300})  # held-out (split "test")
+    seed: int = 0  # data generation seed; kept apart from trainer.seed so every training seed sees the same data
+    on_error: Literal["raise", "skip"] = "raise"  # bad rows in user files: stop with the file and line, or skip+count
+    prompt_template: str = "{problem}"  # the problem as shown to the model; may add format instructions
+    max_prompt_length: int = 512  # tokens, images included; longer prompts are an error naming the sample
+
+
+@dataclass
+class SFTConfig:
+    steps: int = 300  # supervised warm-start steps on data.sft before RL (0 to skip)
+    batch_size: int = 16
+    lr: float = 2e-3
+    target_template: str = "<answer>{solution}</answer>"  # the labelled answer; the end-of-turn token is appended
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 16
+    group_size: int = 8  # G answers per prompt
+    max_new_tokens: int = 12
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: Literal["grpo"] = "grpo"
+    advantage_scale: Literal["group", "batch", "none"] = "group"  # "none" is Dr.GRPO
+    policy_loss: Literal["ppo_clip"] = "ppo_clip"
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2  # > epsilon_low is DAPO's clip-higher
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    beta: float = 0.0  # KL coefficient to the frozen reference; 0 loads no reference model
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+
+
+@dataclass
+class RewardConfig:
+    name: str = "accuracy"  # a registered reward, or "path/to/file.py:function"
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class TrainerConfig:
+    steps: int = 300  # RL generation steps
+    lr: float = 3e-4
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    micro_batch: int = 0  # trajectories per forward/backward chunk (0 = the whole minibatch); never changes the math
+    ppo_epochs: int = 1
+    minibatches: int = 1
+    seed: int = 0
+    eval_every: int = 100  # RL steps between held-out evaluations (0 = only before and after)
+    save_every: int = 0  # RL steps between checkpoints (0 = only the SFT start and the end)
+    log_rollouts_every: int = 25  # steps between rollout-gallery entries in rollouts.jsonl
+    output_dir: str = "runs/quickstart"  # an existing non-empty folder gets a numbered sibling, never overwritten
+    tensorboard: bool = True
+    threads: int = 0  # torch CPU threads (0 = torch's default)
+
+
+@dataclass
+class EvalConfig:
+    batch_size: int = 64
+    max_new_tokens: int = 12
+    sampled_temperature: float = 1.0  # accuracy is reported greedy and sampled at this temperature
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig("accuracy", 1.0)])
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# building a typed config from plain data, with errors that name the key
+
+
+def _describe(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value, tp, key: str):
+    origin = typing.get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in (a for a in args if a is not type(None)):
+            try:
+                return _coerce(value, arg, key)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[0] if errors else f"{key}: bad value {value!r}")
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(f"{key}: {value!r} is not allowed; allowed values: {_describe(tp)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {sorted(f.name for f in dataclasses.fields(tp))}, "
+                              f"got {value!r}")
+        return from_dict(tp, value, prefix=key + ".")
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        (item,) = typing.get_args(tp)
+        return [_coerce(v, item, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping, got {value!r}")
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    return value
+
+
+def from_dict(cls, data: dict, prefix: str = ""):
+    """Build dataclass `cls` from `data`; an unknown key or a badly typed value raises ConfigError naming it."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        raise ConfigError(f"unknown key {prefix}{unknown[0]!r}; allowed keys under {prefix.rstrip('.') or 'the top'}:"
+                          f" {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def to_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`trainer.lr=1e-5` -> (["trainer", "lr"], 1e-5); the value is read as YAML (numbers, lists, true/false)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value (e.g. trainer.lr=1e-5)")
+    key, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw.strip() else ""
+    if isinstance(value, str) and _looks_numeric(value):
+        value = float(value)  # YAML 1.1 reads "1e-5" as a string
+    return key.strip().split("."), value
+
+
+def _looks_numeric(s: str) -> bool:
+    try:
+        float(s)
+    except ValueError:
+        return False
+    return True
+
+
+def _set_dotted(data: dict, path: list[str], value) -> None:
+    """Apply one command-line override. Keys of typed sections are checked here; inside a free-form value (a data
+    spec, reward kwargs) the key is set as given and checked by whatever reads it, still before any model is built."""
+    node = data
+    for i, part in enumerate(path):
+        dotted = ".".join(path[:i])
+        if (i == 0 or _is_section(dotted)) and part not in node:
+            raise ConfigError(f"command line: unknown key {'.'.join(path[:i + 1])!r}; allowed keys under "
+                              f"{dotted or 'the top'}: {', '.join(node)}")
+        if i == len(path) - 1:
+            node[part] = value
+        elif isinstance(node.get(part), dict):
+            node = node[part]
+        elif node.get(part) is None and not _is_section(".".join(path[:i + 1])):
+            node[part] = {}
+            node = node[part]
+        else:
+            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the recipe YAML (if any), then `key=value` overrides; validated as a whole."""
+    data = to_dict(Config())
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            raise ConfigError(f"recipe {path} not found")
+        recipe = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(recipe, dict):
+            raise ConfigError(f"recipe {path}: the top level must be a mapping of sections")
+        _merge(data, recipe, path)
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_dotted(data, keys, value)
+    try:
+        return from_dict(Config, data)
+    except ConfigError as e:
+        where = f"recipe {path}" if path else "config"
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _merge(base: dict, new: dict, source, prefix: str = "") -> None:
+    """Recursively merge `new` into `base`. Dataclass sections merge key by key; free-form values are replaced."""
+    for key, value in new.items():
+        if key not in base:
+            section = prefix.rstrip(".") or "the top"
+            raise ConfigError(f"{source}: unknown key {prefix}{key!r}; allowed keys under {section}: "
+                              f"{', '.join(base)}")
+        if isinstance(value, dict) and isinstance(base[key], dict) and _is_section(prefix + key):
+            _merge(base[key], value, source, prefix + key + ".")
+        else:
+            base[key] = value
+
+
+def _is_section(dotted: str) -> bool:
+    """True where the key is a typed config section (so its keys are validated), not a free-form mapping."""
+    cls = Config
+    for part in dotted.split("."):
+        hints = typing.get_type_hints(cls)
+        if part not in hints or not dataclasses.is_dataclass(hints[part]):
+            return False
+        cls = hints[part]
+    return True
+
+
+def save_config(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

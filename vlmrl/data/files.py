@@ -1,0 +1,257 @@
+"""User data: JSON lines, parquet and Hugging Face ``datasets`` folders, turned into samples.
+
+Rows follow the Visual-RFT format ``{"image": "a.png", "problem": ..., "solution": ...}``: ``image`` (or its synonym
+``images``) is a path or a list of paths, relative to the data file's folder (or ``image_root``), or absent for a
+text-only row. Parquet and ``datasets`` image columns may also hold HF-style ``{"bytes", "path"}`` structs, raw bytes
+or PIL images. Other keys pass through unchanged. Every bad row is either an error naming file, line/row and what to
+do (``on_error="raise"``), or skipped and counted in the ``LoadReport`` (``on_error="skip"``); never silently dropped.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from .sample import ANSWER_TYPES, DataError, LoadReport, Sample, format_box, format_number, infer_answer_type
+
+ON_ERROR = ("raise", "skip")
+JSON_SUFFIXES = (".jsonl", ".json")
+_WRAPPED_ANSWER = re.compile(r"\s*<answer>(.*)</answer>\s*", re.DOTALL)
+
+RowSource = Iterator[tuple[str, str, Callable[[], Any]]]  # (where, default id, thunk returning the raw row)
+
+
+class _RowError(Exception):
+    """A problem with one row; the caller adds where it happened and raises or skips."""
+
+
+def load_file(
+    path: str | Path, on_error: str = "raise", image_root: str | Path | None = None
+) -> tuple[list[Sample], LoadReport]:
+    """Load a data file into samples, dispatching on its suffix (``.jsonl``/``.json``, ``.parquet``) or on a folder
+    written by ``datasets.Dataset.save_to_disk``.
+
+    ``on_error="raise"`` raises DataError at the first bad row; ``"skip"`` skips bad rows and lists each in the report.
+    A file with no good row is always an error. Sample ids are the row's ``id`` if it has one, else ``"{path}:{n}"``
+    (n: the 1-based line for JSON lines, the 0-based row for parquet and ``datasets``, as in ``table[n]``).
+    """
+    if on_error not in ON_ERROR:
+        raise DataError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
+    file = Path(path)
+    if not file.exists():
+        raise DataError(f"{path}: no such file or folder; check the path (relative paths start at {Path.cwd()})")
+    base = Path(image_root) if image_root is not None else file.parent
+    if file.is_dir():
+        rows = _dataset_rows(file, str(path))
+    elif file.suffix.lower() in JSON_SUFFIXES:
+        rows = _json_rows(file, str(path))
+    elif file.suffix.lower() == ".parquet":
+        rows = _parquet_rows(file, str(path))
+    else:
+        raise DataError(
+            f"{path}: unsupported file type {file.suffix!r}; use .jsonl/.json (JSON lines), .parquet, "
+            "or a folder saved with datasets' save_to_disk"
+        )
+    return _collect(rows, str(path), file.stem, base, on_error)
+
+
+def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str) -> tuple[list[Sample], LoadReport]:
+    """Turn raw rows into samples, raising or skipping-and-counting bad ones; ids must be unique."""
+    report = LoadReport(path=path)
+    samples: list[Sample] = []
+    seen: dict[str, str] = {}
+    total = 0
+    for where, default_id, fetch in rows:
+        total += 1
+        try:
+            sample = _row_to_sample(fetch(), default_id, stem, base)
+            if sample["id"] in seen:
+                raise _RowError(f"id {sample['id']!r} already used at {seen[sample['id']]}; ids must be unique")
+        except _RowError as error:
+            message = f"{where}: {error}"
+            if on_error == "raise":
+                raise DataError(message) from None
+            report.skipped += 1
+            report.problems.append(message)
+            continue
+        seen[sample["id"]] = where
+        samples.append(sample)
+    report.loaded = len(samples)
+    if total == 0:
+        raise DataError(f"{path}: no rows; a dataset needs at least one row with 'problem' and 'solution'")
+    if not samples:
+        shown = "\n  ".join(report.problems[:5])
+        raise DataError(f"{path}: all {total} rows are bad, nothing loaded; first problems:\n  {shown}")
+    return samples, report
+
+
+def _row_to_sample(row: Any, default_id: str, stem: str, base: Path) -> Sample:
+    """One raw row (a mapping) to a sample: check fields, normalise the solution, load images, infer answer_type."""
+    if not isinstance(row, dict):
+        raise _RowError(f'expected a JSON object like {{"problem": ..., "solution": ...}}, got {type(row).__name__}')
+    missing = [key for key in ("problem", "solution") if row.get(key) is None]
+    if missing:
+        raise _RowError(
+            f"missing field {' and '.join(repr(k) for k in missing)} (fields present: {sorted(row)}); "
+            "every row needs 'problem' and 'solution'"
+        )
+    if not isinstance(row["problem"], str):
+        raise _RowError(f"'problem' must be a string, got {type(row['problem']).__name__}")
+    solution = _solution_text(row["solution"])
+    if "image" in row and "images" in row and row["image"] is not None and row["images"] is not None:
+        raise _RowError("has both 'image' and 'images'; give the image(s) in one of them")
+    refs = row.get("image") if row.get("image") is not None else row.get("images")
+    images = [_open_image(ref, base) for ref in _as_list(refs)]
+    answer_type = row.get("answer_type")
+    if answer_type is None:
+        answer_type = infer_answer_type(solution)
+    elif answer_type not in ANSWER_TYPES:
+        raise _RowError(f"answer_type {answer_type!r} is not one of {list(ANSWER_TYPES)}; fix it or leave it out")
+    extra = {k: v for k, v in row.items() if k not in ("image", "images")}
+    return {
+        **extra,
+        "id": str(row["id"]) if row.get("id") is not None else default_id,
+        "images": images,
+        "problem": row["problem"],
+        "solution": solution,
+        "answer_type": answer_type,
+        "task": str(row["task"]) if row.get("task") is not None else stem,
+    }
+
+
+def _solution_text(value: Any) -> str:
+    """The solution as text: numbers via str, a list of 4 numbers as a box, ``<answer>x</answer>`` unwrapped to x."""
+    if isinstance(value, bool):
+        raise _RowError("'solution' must be a string, number or [x1, y1, x2, y2] box, got a boolean")
+    if isinstance(value, (int, float)):
+        return format_number(value)
+    if isinstance(value, (list, tuple)):
+        if len(value) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            return format_box(value)
+        raise _RowError(f"'solution' list must be a box of 4 numbers [x1, y1, x2, y2], got {value!r}")
+    if not isinstance(value, str):
+        raise _RowError(f"'solution' must be a string, number or box, got {type(value).__name__}")
+    wrapped = _WRAPPED_ANSWER.fullmatch(value)
+    return wrapped.group(1).strip() if wrapped else value
+
+
+def _as_list(refs: Any) -> list[Any]:
+    if refs is None:
+        return []
+    if isinstance(refs, (list, tuple)):
+        return list(refs)
+    return [refs]
+
+
+def _open_image(ref: Any, base: Path) -> Image.Image:
+    """Load one image reference (path, HF ``{"bytes", "path"}`` struct, raw bytes or PIL image) as RGB."""
+    if isinstance(ref, Image.Image):
+        return ref.convert("RGB")
+    if isinstance(ref, dict):
+        if ref.get("bytes") is not None:
+            return _decode(ref["bytes"], f"image bytes of {ref.get('path') or 'an image struct'!r}")
+        if ref.get("path") is not None:
+            return _open_image(str(ref["path"]), base)
+        raise _RowError("image struct has neither 'bytes' nor 'path'")
+    if isinstance(ref, (bytes, bytearray, memoryview)):
+        return _decode(bytes(ref), "image bytes")
+    if not isinstance(ref, str):
+        raise _RowError(f"image must be a path string (or a list of them), got {type(ref).__name__}")
+    file = Path(ref) if Path(ref).is_absolute() else base / ref
+    if not file.is_file():
+        relative = "" if Path(ref).is_absolute() else f" (relative to {base}/)"
+        raise _RowError(f"image {ref!r} not found{relative}; fix the path or pass image_root")
+    try:
+        with Image.open(file) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise _RowError(f"image {ref!r} could not be decoded ({error}); re-save it as PNG or JPEG") from None
+
+
+def _decode(data: bytes, what: str) -> Image.Image:
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert("RGB")
+    except (UnidentifiedImageError, OSError, ValueError) as error:
+        raise _RowError(f"{what} could not be decoded ({error}); store PNG or JPEG bytes") from None
+
+
+def _raiser(message: str) -> Callable[[], Any]:
+    def fail() -> Any:
+        raise _RowError(message)
+
+    return fail
+
+
+def _json_rows(file: Path, path: str) -> RowSource:
+    """JSON lines (blank lines ignored); a ``.json`` file holding one array is read as its items."""
+    data = file.read_bytes()
+    if file.suffix.lower() == ".json" and data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
+        try:
+            items = json.loads(data.decode("utf-8-sig"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise DataError(f"{path}: not valid JSON ({error}); write one JSON array or one object per line") from None
+        for number, item in enumerate(items, start=1):
+            yield f"{path} item {number}", f"{path}:{number}", (lambda item=item: item)
+        return
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        where = f"{path} line {number}"
+        try:
+            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError:
+            yield where, f"{path}:{number}", _raiser("not UTF-8 text; save the file as UTF-8")
+            continue
+        if not text.strip():
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as error:
+            message = f"not valid JSON ({error.msg} at column {error.colno}); each line must be one JSON object"
+            yield where, f"{path}:{number}", _raiser(message)
+            continue
+        yield where, f"{path}:{number}", (lambda row=row: row)
+
+
+def _parquet_rows(file: Path, path: str) -> RowSource:
+    """Rows of a parquet file, read in batches; numbered from 0 like the table's rows."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError(f"reading {path} needs pyarrow: pip install 'vlmrl[parquet]'") from None
+    try:
+        parquet = pq.ParquetFile(file)
+    except Exception as error:  # pyarrow raises several types for a bad file
+        raise DataError(f"{path}: not a readable parquet file ({error})") from None
+    number = 0
+    for batch in parquet.iter_batches(batch_size=256):
+        for row in batch.to_pylist():
+            yield f"{path} row {number}", f"{path}:{number}", (lambda row=row: row)
+            number += 1
+
+
+def _dataset_rows(folder: Path, path: str) -> RowSource:
+    """Rows of a folder saved by ``datasets`` (``save_to_disk``); numbered from 0 like ``dataset[n]``."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(
+            f"reading the datasets folder {path} needs the datasets package: pip install 'vlmrl[datasets]'"
+        ) from None
+    try:
+        dataset = datasets.load_from_disk(str(folder))
+    except Exception as error:  # datasets raises FileNotFoundError and others for a folder it did not write
+        raise DataError(
+            f"{path}: a folder must be written by datasets' save_to_disk ({error}); "
+            "for other files pass the .jsonl or .parquet file itself"
+        ) from None
+    if isinstance(dataset, dict):  # a DatasetDict
+        splits = list(dataset.keys())
+        raise DataError(f"{path}: holds several splits {splits}; pass one split's folder, e.g. {path}/{splits[0]}")
+    for number, row in enumerate(dataset):
+        yield f"{path} row {number}", f"{path}:{number}", (lambda row=row: row)

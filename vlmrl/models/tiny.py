@@ -1,0 +1,152 @@
+"""The embedded VLM: a real Qwen2-VL architecture, small enough to learn the built-in tasks on a CPU.
+
+Everything is built offline, in code: a byte-level BPE tokenizer trained on the task vocabulary with Qwen's special
+tokens, a `Qwen2VLImageProcessorPil` (no torchvision needed) and a `Qwen2VLForConditionalGeneration` from a config.
+`build_tiny_vlm` writes them to a folder with `save_pretrained`, so the tiny model loads exactly like a hub model:
+through `vlmrl.models.load_policy(folder)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Qwen2-VL's special tokens, in Qwen's order; the tiny tokenizer keeps the names so prompts look like Qwen prompts.
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+]
+# A minimal Qwen-style chat template (image placeholders inline), so `apply_chat_template` works on the tiny model.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass
+class TinyVLMConfig:
+    """Size of the embedded model. Defaults are measured to learn the built-in tasks on 2 CPU cores."""
+
+    hidden_size: int = 96
+    num_layers: int = 3
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 256
+    vision_depth: int = 2
+    vision_dim: int = 96
+    vision_heads: int = 4
+    vocab_size: int = 512
+    # 0.02 (Qwen's default) leaves the tiny model ignoring the image for hundreds of SFT steps (DESIGN.md).
+    initializer_range: float = 0.1
+    min_pixels: int = 56 * 56
+    max_pixels: int = 112 * 112
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
+    """A byte-level BPE trained on `texts`, wrapped as a `PreTrainedTokenizerFast` with Qwen's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The answer/think tags and the chat scaffolding are part of every sequence: include them in the corpus.
+    scaffold = ["<think>", "</think>", "<answer>", "</answer>", "user\n", "assistant\n", "system\n"]
+    tok.train_from_iterator(list(texts) + scaffold * 50, trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=SPECIAL_TOKENS[1:],
+        padding_side="left",
+    )
+    # Answer and reasoning tags as single tokens: short answers, and a format the tiny model learns in few steps.
+    fast.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_qwen2vl_config(tokenizer, cfg: TinyVLMConfig):
+    """A `Qwen2VLConfig` of the given size whose special-token ids match `tokenizer`."""
+    from transformers import Qwen2VLConfig
+
+    head_dim = cfg.hidden_size // cfg.num_heads
+    half = head_dim // 2  # M-RoPE splits the rotary half-dimension into temporal, height and width sections
+    section = [half - 2 * (half // 3), half // 3, half // 3]
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    return Qwen2VLConfig(
+        text_config=dict(
+            vocab_size=len(tokenizer),
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads,
+            max_position_embeddings=1024,
+            initializer_range=cfg.initializer_range,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+            bos_token_id=ids["<|endoftext|>"],
+            eos_token_id=ids["<|im_end|>"],
+            pad_token_id=ids["<|endoftext|>"],
+            tie_word_embeddings=True,
+        ),
+        vision_config=dict(
+            depth=cfg.vision_depth,
+            embed_dim=cfg.vision_dim,
+            hidden_size=cfg.hidden_size,
+            num_heads=cfg.vision_heads,
+            mlp_ratio=2,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            initializer_range=cfg.initializer_range,
+        ),
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+        initializer_range=cfg.initializer_range,
+    )
+
+
+def build_tiny_vlm(out_dir: str | Path, texts: Iterable[str], cfg: TinyVLMConfig | None = None, seed: int = 0) -> Path:
+    """Build the embedded VLM (tokenizer, image processor, randomly initialised Qwen2-VL) and save it to `out_dir`.
+
+    The result is a folder that `load_policy` (and `Qwen2VLForConditionalGeneration.from_pretrained`) load.
+    """
+    from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    cfg = cfg or TinyVLMConfig()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    config = tiny_qwen2vl_config(tokenizer, cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = config.text_config.eos_token_id
+    model.generation_config.pad_token_id = config.text_config.pad_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    image_processor.save_pretrained(out)
+    return out

@@ -1,0 +1,92 @@
+"""Stage I, collect: G answers per prompt in one batched, KV-cached sampling loop.
+
+Each prompt's images go through the vision tower once; the prompt embeddings are then repeated for the G answers of
+its group (not the pixels). The loop records each sampled token's log-probability under the temperature-scaled
+distribution — the same quantity the training forward recomputes — so it can serve as the old log-probs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from vlmrl.models.policy import Policy
+from vlmrl.models.qwen_vl import PromptBatch
+
+
+@dataclass
+class Rollout:
+    """G completions per prompt; row n belongs to prompt `prompt_index[n]` (rows of a group are contiguous)."""
+
+    prompt_index: Tensor  # [N]
+    completion_ids: Tensor  # [N, T] right-padded with the pad token
+    completion_mask: Tensor  # [N, T] 1 on generated tokens, the end token included
+    logprobs: Tensor  # [N, T] sampling-time log-probs (0 on padding)
+    truncated: Tensor  # [N] bool: hit max_new_tokens without an end token
+    texts: list[str]  # decoded completions, end token stripped
+
+    @property
+    def lengths(self) -> Tensor:
+        return self.completion_mask.sum(-1)
+
+
+def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Sample one token per row; return (tokens, log-prob of each under softmax(logits / temperature)).
+
+    temperature == 0 is greedy decoding (log-probs then at temperature 1). top-k / top-p restrict what is sampled;
+    the returned log-probs stay those of the unrestricted tempered distribution, which is what training recomputes.
+    """
+    logits = logits.float()
+    if temperature <= 0:
+        tokens = logits.argmax(-1)
+        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    logp = torch.log_softmax(logits / temperature, -1)
+    filtered = logp
+    if top_k > 0:
+        kth = logp.topk(min(top_k, logp.shape[-1]), -1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logp, order = filtered.sort(-1, descending=True)
+        cum = sorted_logp.exp().cumsum(-1)
+        drop_sorted = cum - sorted_logp.exp() > top_p  # keep the smallest prefix whose mass reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    tokens = torch.multinomial(filtered.exp(), 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(policy: Policy, prompts: PromptBatch, group_size: int, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
+    """Sample `group_size` completions for every prompt in one batched call."""
+    family = policy.family
+    index = torch.arange(len(prompts)).repeat_interleave(group_size)
+    pe = family.prompt_embeds(prompts)
+    pe = pe.select(index.to(pe.embeds.device))
+    n, device = len(index), pe.embeds.device
+    eos = torch.tensor(policy.eos_token_ids, device=device)
+    cache = family.new_cache()
+    hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache)[:, -1]
+    mask = pe.attention_mask
+    tokens, logps, alive_steps = [], [], []
+    alive = torch.ones(n, dtype=torch.bool, device=device)
+    for t in range(max_new_tokens):
+        tok, logp = sample_tokens(family.lm_head(hidden), temperature, top_k, top_p, generator)
+        tok = torch.where(alive, tok, policy.pad_token_id)
+        tokens.append(tok)
+        logps.append(torch.where(alive, logp, 0.0))
+        alive_steps.append(alive)
+        alive = alive & ~torch.isin(tok, eos)
+        if not alive.any() or t == max_new_tokens - 1:
+            break
+        mask = torch.cat([mask, alive_steps[-1].long()[:, None]], dim=1)
+        pos = (pe.next_position + t).view(1, n, 1).expand(3, n, 1)
+        hidden = family.forward_hidden(family.embed_tokens(tok[:, None]), mask, pos, cache)[:, -1]
+    completion_ids = torch.stack(tokens, 1)
+    completion_mask = torch.stack(alive_steps, 1).long()
+    texts = policy.processor.tokenizer.batch_decode(
+        completion_ids.masked_fill(torch.isin(completion_ids, eos), policy.pad_token_id), skip_special_tokens=True)
+    return Rollout(index, completion_ids, completion_mask, torch.stack(logps, 1), alive.cpu(), texts)

@@ -1,0 +1,214 @@
+"""The `vlmrl train` job: data -> model -> SFT warm-start -> evaluation -> RL steps -> evaluation -> checkpoints.
+
+Progress reaches the caller through a `Progress` object (the CLI draws bars with it); library code never prints.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from vlmrl.config import Config, save_config
+from vlmrl.data import build_dataset, vocabulary_texts
+from vlmrl.eval.generative import evaluate
+from vlmrl.models import TinyVLMConfig, build_tiny_vlm, load_policy
+from vlmrl.models.policy import Policy
+from vlmrl.rewards import RewardSpec
+from vlmrl.trainer.checkpoint import load_state, restore_rng, rng_state, save_checkpoint
+from vlmrl.trainer.logger import MetricsLogger
+from vlmrl.trainer.rl import StepContext, rl_step
+from vlmrl.trainer.sft import sft_step
+
+
+class Progress:
+    """No-op progress hooks; the CLI subclasses this with progress bars."""
+
+    def start(self, phase: str, total: int) -> None: ...
+    def advance(self, n: int = 1, **postfix) -> None: ...
+    def end(self) -> None: ...
+    def message(self, text: str) -> None: ...
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def fresh_run_dir(path: str | Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ... if it exists and is not empty: earlier runs are never overwritten."""
+    path = Path(path)
+    candidate, k = path, 1
+    while candidate.exists() and any(candidate.iterdir()):
+        k += 1
+        candidate = path.with_name(f"{path.name}-{k}")
+    candidate.mkdir(parents=True, exist_ok=True)
+    return candidate
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(total - warmup, 1)
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+    return factor
+
+
+def build_policy(cfg: Config, run_dir: Path) -> Policy:
+    m = cfg.model
+    name = m.name_or_path
+    if name == "tiny":
+        tiny = TinyVLMConfig(**vars(m.tiny))
+        name = build_tiny_vlm(run_dir / "base_model", vocabulary_texts(cfg.data.seed), tiny, seed=cfg.trainer.seed)
+    return load_policy(name, m.dtype, m.device, m.min_pixels, m.max_pixels)
+
+
+class PromptStream:
+    """Shuffled passes over the RL prompts, driven by one generator so data order is part of the resumable state."""
+
+    def __init__(self, n: int, generator: torch.Generator):
+        self.n, self.generator = n, generator
+        self.order, self.pos, self.epoch = torch.randperm(n, generator=generator).tolist(), 0, 0
+
+    def next(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if self.pos == self.n:
+                self.order, self.pos, self.epoch = torch.randperm(self.n, generator=self.generator).tolist(), 0, \
+                    self.epoch + 1
+            take = min(k - len(out), self.n - self.pos)
+            out += self.order[self.pos:self.pos + take]
+            self.pos += take
+        return out
+
+    def state(self) -> dict:
+        return {"order": self.order, "pos": self.pos, "epoch": self.epoch}
+
+    def load(self, state: dict) -> None:
+        self.order, self.pos, self.epoch = state["order"], state["pos"], state["epoch"]
+
+
+def run_eval(policy: Policy, cfg: Config, samples: list[dict], rewards, progress: Progress, label: str) -> dict:
+    out = {}
+    for mode, temperature in (("greedy", 0.0), ("sampled", cfg.eval.sampled_temperature)):
+        progress.start(f"eval {label} ({mode})", len(samples))
+        res = evaluate(policy, samples, temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens,
+                       batch_size=cfg.eval.batch_size, template=cfg.data.prompt_template,
+                       max_prompt_length=cfg.data.max_prompt_length, rewards=rewards, seed=cfg.trainer.seed,
+                       progress=lambda n: progress.advance(n))
+        progress.end()
+        out.update({f"{mode}/{k}": v for k, v in res["metrics"].items()})
+    return out
+
+
+def train(cfg: Config, progress: Progress | None = None, resume: str | Path | None = None) -> dict:
+    """Run the whole job; returns a summary with held-out accuracy after SFT and after RL and the run directory."""
+    progress = progress or Progress()
+    t_start = time.perf_counter()
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    seed_everything(cfg.trainer.seed)
+    resume_state = load_state(resume) if resume else None
+
+    d = cfg.data
+    train_set, report = build_dataset(d.train, "train", d.seed)
+    eval_set, eval_report = build_dataset(d.eval, "test", d.seed)
+    reports = [r for r in (report, eval_report) if r is not None]
+    sft_set = []
+    if cfg.sft.steps > 0:
+        sft_set, sft_report = build_dataset(d.sft, "train", d.seed + 1)
+        reports += [sft_report] if sft_report is not None else []
+    # data is loaded (and bad input reported) before the run directory is created
+    run_dir = Path(resume).parent if resume else fresh_run_dir(cfg.trainer.output_dir)
+    save_config(cfg, run_dir / "config.yaml")
+    logger = MetricsLogger(run_dir, cfg.trainer.tensorboard)
+    for r in reports:
+        if r.skipped:
+            progress.message(f"{r.path}: skipped {r.skipped} bad rows (data.on_error=skip); first: {r.problems[0]}")
+    logger.log({"train_prompts": len(train_set), "eval_samples": len(eval_set), "sft_samples": len(sft_set),
+                "skipped_rows": sum(r.skipped for r in reports)}, 0, "data")
+
+    rewards = [RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rewards]
+    generator = torch.Generator().manual_seed(cfg.trainer.seed)
+    summary: dict = {"run_dir": str(run_dir)}
+
+    if resume_state is None:
+        policy = build_policy(cfg, run_dir)
+        if cfg.sft.steps > 0:
+            sft_opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.sft.lr)
+            progress.start("sft", cfg.sft.steps)
+            policy.model.train()
+            for step in range(1, cfg.sft.steps + 1):
+                idx = torch.randint(len(sft_set), (cfg.sft.batch_size,), generator=generator).tolist()
+                loss = sft_step(policy, sft_opt, [sft_set[i] for i in idx], cfg.sft.target_template,
+                                d.prompt_template, cfg.trainer.max_grad_norm, d.max_prompt_length)
+                logger.log({"loss": loss}, step, "sft")
+                progress.advance(loss=f"{loss:.3f}")
+            progress.end()
+        start_eval = run_eval(policy, cfg, eval_set, rewards, progress, "after SFT")
+        logger.log(start_eval, 0, "eval")
+        summary["start"] = start_eval
+    else:
+        policy = load_policy(resume, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels)
+        summary["start"] = resume_state.get("start_eval", {})
+
+    reference = None
+    if cfg.algorithm.beta > 0:
+        reference = copy.deepcopy(policy)
+        reference.family = type(policy.family)(reference.model)
+        reference.model.eval().requires_grad_(False)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    t = cfg.trainer
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps))
+    stream = PromptStream(len(train_set), generator)
+    first_step = 1
+    if resume_state is not None:
+        optimizer.load_state_dict(resume_state["optimizer"])
+        scheduler.load_state_dict(resume_state["scheduler"])
+        stream.load(resume_state["data"])
+        restore_rng(resume_state["rng"], generator)
+        first_step = resume_state["step"] + 1
+
+    ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, cfg.algorithm, cfg.trainer,
+                      d.prompt_template, d.max_prompt_length, reference, generator)
+
+    def checkpoint(step: int) -> Path:
+        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                 "data": stream.state(), "rng": rng_state(generator), "start_eval": summary["start"]}
+        return save_checkpoint(run_dir / f"checkpoint-{step}", policy, cfg, state)
+
+    if resume_state is None:
+        checkpoint(0)  # the SFT start: the baseline every RL number is compared with
+    progress.start("rl", t.steps - first_step + 1)
+    for step in range(first_step, t.steps + 1):
+        samples = [train_set[i] for i in stream.next(cfg.rollout.prompts_per_step)]
+        metrics, gallery = rl_step(ctx, samples)
+        logger.log(metrics, step, "train")
+        if t.log_rollouts_every and (step % t.log_rollouts_every == 0 or step == 1):
+            logger.log_rollouts([{"step": step, **gallery}])
+        progress.advance(reward=f"{metrics['reward/total/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}")
+        if t.eval_every and step % t.eval_every == 0 and step != t.steps:
+            logger.log(run_eval(policy, cfg, eval_set, rewards, Progress(), f"step {step}"), step, "eval")
+        if t.save_every and step % t.save_every == 0 and step != t.steps:
+            checkpoint(step)
+    progress.end()
+    final_eval = run_eval(policy, cfg, eval_set, rewards, progress, "after RL")
+    logger.log(final_eval, t.steps, "eval")
+    summary["final"] = final_eval
+    summary["checkpoint"] = str(checkpoint(t.steps))
+    summary["wall_seconds"] = time.perf_counter() - t_start
+    logger.log({"wall_seconds": summary["wall_seconds"]}, t.steps, "summary")
+    logger.close()
+    return summary

@@ -1,0 +1,48 @@
+"""Supervised warm-start: teacher-forced cross-entropy on labelled answers, through the same forward as RL.
+
+The embedded model starts random; real VLMs arrive instruction-tuned. SFT on a small labelled subset plays that role,
+so RL starts from a policy that answers in the expected format.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlmrl.models.policy import Policy
+from vlmrl.rollout.batch import make_prompts
+from vlmrl.trainer.rl import sequence_logprobs
+
+
+def target_ids(policy: Policy, texts: list[str]) -> tuple[Tensor, Tensor]:
+    """Tokenised targets with the end-of-turn token appended, right-padded: (ids [N, T], mask [N, T])."""
+    tok = policy.processor.tokenizer
+    eos = policy.eos_token_ids[0]
+    seqs = [tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), policy.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def sft_loss(policy: Policy, samples: list[dict], target_template: str, template: str = "{problem}",
+             max_prompt_length: int | None = None) -> Tensor:
+    """Mean negative log-likelihood per target token."""
+    prompts = make_prompts(policy, samples, template, max_prompt_length)
+    ids, mask = target_ids(policy, [target_template.format(**s) for s in samples])
+    device = policy.model.device
+    logp, _ = sequence_logprobs(policy, prompts, torch.arange(len(samples)), ids.to(device), mask.to(device), 1.0)
+    return -(logp.sum() / mask.sum())
+
+
+def sft_step(policy: Policy, optimizer: torch.optim.Optimizer, samples: list[dict], target_template: str,
+             template: str = "{problem}", max_grad_norm: float = 1.0, max_prompt_length: int | None = None) -> float:
+    optimizer.zero_grad(set_to_none=True)
+    loss = sft_loss(policy, samples, target_template, template, max_prompt_length)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in policy.model.parameters() if p.requires_grad], max_grad_norm)
+    optimizer.step()
+    return loss.item()
