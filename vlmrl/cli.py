@@ -96,7 +96,7 @@ def cmd_eval(args) -> int:
     if report is not None and report.skipped:
         print(f"{report.path}: skipped {report.skipped} bad rows", file=sys.stderr)
     policy = load_policy(ckpt, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels)
-    rewards = [RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rewards]
+    rewards = [RewardSpec(r.name, r.weight, dict(r.kwargs), r.label) for r in cfg.rewards]
     results = {}
     progress = BarProgress()
     for temperature in args.temperatures:
@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         from vlmrl.data import DataError
         from vlmrl.models import PromptTooLongError
 
-        if isinstance(e, (DataError, PromptTooLongError, FileNotFoundError)):
+        if isinstance(e, (DataError, PromptTooLongError, FileNotFoundError, ValueError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

@@ -58,9 +58,10 @@ class DataConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 300  # supervised warm-start steps on data.sft before RL (0 to skip)
+    steps: int = 600  # supervised warm-start steps on data.sft before RL (0 to skip)
     batch_size: int = 16
-    lr: float = 2e-3
+    lr: float = 1e-3
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"  # decaying to 0 ends SFT on a stable policy
     target_template: str = "<answer>{solution}</answer>"  # the labelled answer; the end-of-turn token is appended
 
 
@@ -90,7 +91,8 @@ class AlgorithmConfig:
 class RewardConfig:
     name: str = "accuracy"  # a registered reward, or "path/to/file.py:function"
     weight: float = 1.0
-    kwargs: dict = field(default_factory=dict)
+    kwargs: dict = field(default_factory=dict)  # options of the reward function (e.g. strict: false)
+    label: str | None = None  # metric name, to use one reward twice with different options
 
 
 @dataclass
@@ -202,7 +204,7 @@ def from_dict(cls, data: dict, prefix: str = ""):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in names]
     if unknown:
-        raise ConfigError(f"unknown key {prefix}{unknown[0]!r}; allowed keys under {prefix.rstrip('.') or 'the top'}:"
+        raise ConfigError(f"unknown key '{prefix}{unknown[0]}'; allowed keys under {prefix.rstrip('.') or 'the top'}:"
                           f" {', '.join(names)}")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in data.items()}
     return cls(**kwargs)
@@ -277,7 +279,7 @@ def _merge(base: dict, new: dict, source, prefix: str = "") -> None:
     for key, value in new.items():
         if key not in base:
             section = prefix.rstrip(".") or "the top"
-            raise ConfigError(f"{source}: unknown key {prefix}{key!r}; allowed keys under {section}: "
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'; allowed keys under {section}: "
                               f"{', '.join(base)}")
         if isinstance(value, dict) and isinstance(base[key], dict) and _is_section(prefix + key):
             _merge(base[key], value, source, prefix + key + ".")

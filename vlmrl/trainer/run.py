@@ -19,7 +19,7 @@ from vlmrl.data import build_dataset, vocabulary_texts
 from vlmrl.eval.generative import evaluate
 from vlmrl.models import TinyVLMConfig, build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
-from vlmrl.rewards import RewardSpec
+from vlmrl.rewards import RewardSpec, resolve_reward
 from vlmrl.trainer.checkpoint import load_state, restore_rng, rng_state, save_checkpoint
 from vlmrl.trainer.logger import MetricsLogger
 from vlmrl.trainer.rl import StepContext, rl_step
@@ -119,6 +119,9 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
+    rewards = [RewardSpec(r.name, r.weight, dict(r.kwargs), r.label) for r in cfg.rewards]
+    for spec in rewards:
+        resolve_reward(spec.name)  # an unknown reward fails here, before data or model are built
     resume_state = load_state(resume) if resume else None
 
     d = cfg.data
@@ -139,7 +142,6 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     logger.log({"train_prompts": len(train_set), "eval_samples": len(eval_set), "sft_samples": len(sft_set),
                 "skipped_rows": sum(r.skipped for r in reports)}, 0, "data")
 
-    rewards = [RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rewards]
     generator = torch.Generator().manual_seed(cfg.trainer.seed)
     summary: dict = {"run_dir": str(run_dir)}
 
@@ -147,13 +149,15 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         policy = build_policy(cfg, run_dir)
         if cfg.sft.steps > 0:
             sft_opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.sft.lr)
+            sft_sched = torch.optim.lr_scheduler.LambdaLR(sft_opt, lr_lambda(cfg.sft.lr_schedule, 0, cfg.sft.steps))
             progress.start("sft", cfg.sft.steps)
             policy.model.train()
             for step in range(1, cfg.sft.steps + 1):
                 idx = torch.randint(len(sft_set), (cfg.sft.batch_size,), generator=generator).tolist()
                 loss = sft_step(policy, sft_opt, [sft_set[i] for i in idx], cfg.sft.target_template,
                                 d.prompt_template, cfg.trainer.max_grad_norm, d.max_prompt_length)
-                logger.log({"loss": loss}, step, "sft")
+                sft_sched.step()
+                logger.log({"loss": loss, "lr": sft_sched.get_last_lr()[0]}, step, "sft")
                 progress.advance(loss=f"{loss:.3f}")
             progress.end()
         start_eval = run_eval(policy, cfg, eval_set, rewards, progress, "after SFT")

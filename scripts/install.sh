@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Install vlmrl into the current Python environment, editable. Usage: bash scripts/install.sh [EXTRA ...]
+#   bash scripts/install.sh          # the library and the `vlmrl` command
+#   bash scripts/install.sh dev      # plus what the tests need
+# Where no torch is installed yet, the CPU build torch==2.13.0 is installed first (an unpinned torch would pull a
+# multi-GB CUDA build). A torch that is already installed (a GPU build, say) is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -c "import torch" 2>/dev/null || python -m pip install "torch==2.13.0"
+extras=$(IFS=,; echo "$*")
+python -m pip install -e ".${extras:+[$extras]}"

@@ -1,0 +1,95 @@
+"""Recipes are typed and validated: a typo fails early, naming the key and what is allowed."""
+
+from pathlib import Path
+
+import pytest
+
+from vlmrl.config import Config, ConfigError, load_config, parse_override
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_the_quickstart_recipe():
+    assert load_config(ROOT / "recipes/quickstart.yaml") == Config()
+
+
+def test_every_recipe_validates():
+    for recipe in sorted((ROOT / "recipes").glob("*.yaml")):
+        load_config(recipe)
+
+
+def test_dotted_overrides_are_typed():
+    cfg = load_config(None, ["trainer.lr=1e-5", "rollout.group_size=4", "model.max_pixels=3136",
+                             "data.eval.n=17", "algorithm.advantage_scale=none"])
+    assert cfg.trainer.lr == 1e-5 and isinstance(cfg.trainer.lr, float)
+    assert cfg.rollout.group_size == 4 and cfg.model.max_pixels == 3136
+    assert cfg.data.eval == {"task": "shapes_count", "n": 17}
+    assert cfg.algorithm.advantage_scale == "none"
+
+
+def test_unknown_key_names_key_and_allowed_keys(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  lrr: 0.1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(recipe)
+    assert "trainer.lrr" in str(e.value) and "lr_schedule" in str(e.value) and "r.yaml" in str(e.value)
+    with pytest.raises(ConfigError, match="rollout.groupsize"):
+        load_config(None, ["rollout.groupsize=4"])
+    with pytest.raises(ConfigError, match="unknown key 'trainr'"):
+        load_config(None, ["trainr.lr=1"])
+
+
+def test_bad_value_names_allowed_values():
+    with pytest.raises(ConfigError) as e:
+        load_config(None, ["algorithm.loss_aggregation=mean"])
+    assert "'token-mean'" in str(e.value) and "seq-mean-token-sum-norm" in str(e.value)
+    with pytest.raises(ConfigError, match="trainer.steps: expected an integer"):
+        load_config(None, ["trainer.steps=ten"])
+    with pytest.raises(ConfigError, match="expected true or false"):
+        load_config(None, ["trainer.tensorboard=3"])
+
+
+def test_rewards_list_is_typed(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("rewards:\n  - {name: accuracy, weight: 0.5}\n  - {name: format, wieght: 1}\n")
+    with pytest.raises(ConfigError, match=r"rewards\[1\]"):
+        load_config(recipe)
+
+
+def test_override_syntax():
+    assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
+    assert parse_override("trainer.lr=3e-4") == (["trainer", "lr"], 3e-4)
+    with pytest.raises(ConfigError, match="section.key=value"):
+        parse_override("trainer.lr")
+
+
+def test_typo_fails_before_any_model_is_built(tmp_path, monkeypatch):
+    """`vlmrl train` with a typo'd key exits with an error and creates no run directory."""
+    from vlmrl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", f"trainer.output_dir={tmp_path / 'run'}", "sft.stepz=3"]) == 2
+    assert not (tmp_path / "run").exists()
+
+
+def test_recipe_reference_lists_every_key():
+    """docs/recipes.md is generated from the config; regenerate it (scripts/gen_recipe_docs.py) after a change."""
+    import dataclasses
+
+    doc = (ROOT / "docs/recipes.md").read_text()
+
+    def keys(cls):
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "sft", "rollout", "algorithm",
+                                                              "trainer", "eval", "tiny", "rewards"):
+                continue
+            yield f.name
+
+    from vlmrl import config as C
+
+    for cls in (C.ModelConfig, C.TinyModelConfig, C.DataConfig, C.SFTConfig, C.RolloutConfig, C.AlgorithmConfig,
+                C.RewardConfig, C.TrainerConfig, C.EvalConfig):
+        for name in keys(cls):
+            rows = [line for line in doc.splitlines() if line.startswith(f"| `{name}` |")]
+            assert rows, f"{cls.__name__}.{name} missing from docs/recipes.md"
+            assert any(f"`{getattr(cls(), name)!r}`" in row for row in rows), f"{cls.__name__}.{name}: stale default"
