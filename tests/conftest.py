@@ -5,11 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vlmrl.config import TinyModelConfig
 from vlmrl.data import make_task, vocabulary_texts
-from vlmrl.models import TinyVLMConfig, build_tiny_vlm, load_policy
+from vlmrl.models import build_tiny_vlm, load_policy
 
-TEST_MODEL = TinyVLMConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                           vision_depth=1, vision_dim=32, vision_heads=2, vocab_size=400)
+TEST_MODEL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
+                           vision_depth=1, vision_dim=32, vision_heads=2, vocab_size=400,
+                             min_pixels=56 * 56, max_pixels=84 * 84)
 
 
 @pytest.fixture(scope="session")

@@ -6,10 +6,9 @@ from hypothesis import strategies as st
 
 from vlmrl.data import make_task
 from vlmrl.models import load_policy
-from vlmrl.models.forward import completion_logprobs
+from vlmrl.models.forward import completion_logprobs, sequence_logprobs
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import generate, sample_tokens
-from vlmrl.trainer.rl import sequence_logprobs
 
 
 def test_generation_logprobs_match_training_forward(policy, count_samples):
@@ -20,8 +19,8 @@ def test_generation_logprobs_match_training_forward(policy, count_samples):
     rollout = generate(policy, prompts, group_size=3, max_new_tokens=8, temperature=1.0,
                        generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        logp, _ = sequence_logprobs(policy, prompts, rollout.prompt_index, rollout.completion_ids,
-                                    rollout.completion_mask, 1.0)
+        logp = sequence_logprobs(policy, prompts, rollout.prompt_index, rollout.completion_ids,
+                                    rollout.completion_mask, 1.0).logprobs
     assert rollout.completion_mask.sum() > len(samples)  # something was generated beyond one token
     assert torch.allclose(logp, rollout.logprobs, atol=1e-4), (logp - rollout.logprobs).abs().max()
 
@@ -30,8 +29,8 @@ def test_temperature_is_applied_in_both_paths(policy, count_samples):
     prompts = make_prompts(policy, count_samples[:3])
     rollout = generate(policy, prompts, 2, 6, temperature=0.7, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        logp, _ = sequence_logprobs(policy, prompts, rollout.prompt_index, rollout.completion_ids,
-                                    rollout.completion_mask, 0.7)
+        logp = sequence_logprobs(policy, prompts, rollout.prompt_index, rollout.completion_ids,
+                                    rollout.completion_mask, 0.7).logprobs
     assert torch.allclose(logp, rollout.logprobs, atol=1e-4)
 
 
@@ -86,5 +85,5 @@ def test_groups_stay_aligned_under_shuffle(tiny_model_dir, count_samples, n_prom
         single = make_prompts(policy, [samples[p]])
         pe = policy.family.prompt_embeds(single)
         with torch.no_grad():
-            logp, _ = completion_logprobs(policy.family, pe, r.completion_ids[n:n + 1], r.completion_mask[n:n + 1])
+            logp = completion_logprobs(policy.family, pe, r.completion_ids[n:n + 1], r.completion_mask[n:n + 1]).logprobs
         assert torch.allclose(logp[0], r.logprobs[n], atol=1e-4)

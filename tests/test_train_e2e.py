@@ -13,6 +13,7 @@ from vlmrl.trainer.run import train
 SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
          "model.tiny.intermediate_size=64", "model.tiny.vision_depth=1", "model.tiny.vision_dim=32",
          "model.tiny.vision_heads=2", "model.tiny.vocab_size=400",
+         "model.tiny.min_pixels=3136", "model.tiny.max_pixels=7056",
          "data.train.n=40", "data.sft.n=16", "data.eval.n=8", "sft.steps=2", "sft.batch_size=4",
          "rollout.prompts_per_step=2", "rollout.group_size=3", "rollout.max_new_tokens=6", "eval.max_new_tokens=6",
          "trainer.eval_every=0", "trainer.threads=1"]
@@ -73,3 +74,21 @@ def test_same_seed_same_numbers_and_exact_resume(tmp_path):
     resumed_rows = [json.loads(x) for x in (tmp_path / "c/run/metrics.jsonl").read_text().splitlines()]
     last = {r["step"]: r["loss"] for r in resumed_rows if r["phase"] == "train"}
     assert last[3] == pytest.approx(straight_losses[3], abs=0) and last[4] == pytest.approx(straight_losses[4], abs=0)
+
+
+def test_bad_rows_stop_training_or_are_skipped_and_reported(tmp_path, capsys):
+    assert main(["data", "export", "shapes_count", "--n", "6", "--out", str(tmp_path / "d")]) == 0
+    data = tmp_path / "d/shapes_count-train.jsonl"
+    rows = data.read_text().splitlines()
+    rows.insert(2, "{not json")
+    rows.append(json.dumps({"image": "images/missing.png", "problem": "How many?", "solution": "1"}))
+    data.write_text("\n".join(rows) + "\n")
+    spec = f"data.train={{path: {data}}}"
+    args = ["train", *SMALL, f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=1", "sft.steps=0", spec]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "shapes_count-train.jsonl" in err and "line 3" in err
+    assert not (tmp_path / "run").exists()  # stopped before a run directory or a model was made
+    assert main(args + ["data.on_error=skip"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 2 bad data rows" in out and "line 3" in out and "missing.png" in out

@@ -32,6 +32,10 @@ class TinyModelConfig:
     vision_heads: int = 4
     vocab_size: int = 512  # BPE vocabulary trained on the built-in tasks' text
     initializer_range: float = 0.1  # 0.02 leaves the tiny model blind to the image (DESIGN.md)
+    # the saved image processor's pixel budget (model.min_pixels/max_pixels override it at load): 56-84 px scenes
+    # are upscaled to 112 px = 16 image tokens; at their native size (4-9 tokens) the quickstart gained ~11 points
+    min_pixels: int = 112 * 112
+    max_pixels: int = 168 * 168
 
 
 @dataclass
@@ -77,14 +81,36 @@ class RolloutConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: Literal["grpo"] = "grpo"
-    advantage_scale: Literal["group", "batch", "none"] = "group"  # "none" is Dr.GRPO
-    policy_loss: Literal["ppo_clip"] = "ppo_clip"
+    # -- advantages (stage III); docs/algorithms.md has the formulas
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "remax", "gae"] = "grpo"
+    advantage_scale: Literal["group", "batch", "none"] = "group"  # grpo: "none" is Dr.GRPO
+    reinforce_pp_baseline: Literal["none", "group"] = "none"  # "group": REINFORCE++-baseline (G > 1)
+    gamma: float = 1.0  # discount (reinforce_pp, gae)
+    lam: float = 0.95  # GAE lambda
+    # -- policy loss (stage IV)
+    policy_loss: Literal["ppo_clip", "gspo", "reinforce", "dpo"] = "ppo_clip"  # dpo: online, best vs worst of a group
     epsilon_low: float = 0.2
     epsilon_high: float = 0.2  # > epsilon_low is DAPO's clip-higher
+    dual_clip: float | None = None  # dual-clip PPO's c (e.g. 3.0) bounds negative-advantage losses
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
-    beta: float = 0.0  # KL coefficient to the frozen reference; 0 loads no reference model
+    entropy_coef: float = 0.0  # entropy bonus: loss -= entropy_coef * entropy
+    # -- KL to a frozen reference (loaded only when beta > 0, or for DPO)
+    beta: float = 0.0  # KL coefficient; 0 loads no reference model
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_in: Literal["loss", "reward"] = "loss"  # "reward": -beta * KL per token folded into the reward
+    # -- DAPO extras
+    dynamic_sampling: bool = False  # drop zero-variance groups and sample more prompts to refill the batch
+    max_resample_rounds: int = 3  # extra generation rounds per step for dynamic sampling
+    overlong_filter: bool = False  # truncated answers get no gradient (DAPO's overlong filtering)
+    # -- critic (advantage: gae)
+    critic: Literal["head", "separate"] = "head"  # value head on the policy, or a separate copy of it
+    critic_lr: float = 1e-3
+    vf_coef: float = 0.5  # weight of the value loss in "head" mode
+    value_clip: float | None = 0.2
+    critic_warmup_steps: int = 0  # steps that train only the critic
+    # -- DPO (policy_loss: dpo, or data.preferences for offline DPO)
+    dpo_beta: float = 0.1
+    dpo_label_smoothing: float = 0.0
 
 
 @dataclass
@@ -97,7 +123,7 @@ class RewardConfig:
 
 @dataclass
 class TrainerConfig:
-    steps: int = 300  # RL generation steps
+    steps: int = 900  # RL generation steps
     lr: float = 3e-4
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     warmup_steps: int = 0
@@ -107,12 +133,13 @@ class TrainerConfig:
     ppo_epochs: int = 1
     minibatches: int = 1
     seed: int = 0
-    eval_every: int = 100  # RL steps between held-out evaluations (0 = only before and after)
+    eval_every: int = 150  # RL steps between held-out evaluations (0 = only before and after)
     save_every: int = 0  # RL steps between checkpoints (0 = only the SFT start and the end)
     log_rollouts_every: int = 25  # steps between rollout-gallery entries in rollouts.jsonl
     output_dir: str = "runs/quickstart"  # an existing non-empty folder gets a numbered sibling, never overwritten
     tensorboard: bool = True
     threads: int = 0  # torch CPU threads (0 = torch's default)
+    wandb_project: str | None = None  # also log to this Weights & Biases project (pip install 'vlmrl[wandb]')
 
 
 @dataclass
@@ -120,6 +147,21 @@ class EvalConfig:
     batch_size: int = 64
     max_new_tokens: int = 12
     sampled_temperature: float = 1.0  # accuracy is reported greedy and sampled at this temperature
+    samples: int = 1  # answers per prompt in the sampled evaluations of `vlmrl train` (pass@k, maj@n when > 1)
+    pass_k: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # pass@k reported for each k <= samples
+    temperatures: list[float] = field(default_factory=lambda: [0.0, 0.6, 1.0])  # `vlmrl eval`'s temperatures
+    reflection_words: list[str] | None = None  # words marking a reflective answer (null = MAYE's list)
+    # the out-of-distribution held-out set for --control/--seeds runs: "auto" = the ood split of data.eval's built-in
+    # tasks (e.g. more objects than training shows), a data spec, or null for none
+    ood: Any = "auto"
+
+
+@dataclass
+class ControlConfig:
+    # `vlmrl train --control sft`: continued SFT from the RL run's SFT start, on data.sft, for the RL phase's wall time
+    lr: float = 3.0e-4  # constant learning rate of the continued SFT (the RL phase's trainer.lr by default)
+    batch_size: int = 16
+    steps: int = 0  # 0 = train for the RL phase's wall time; N = exactly N steps (reproducible, machine-independent)
 
 
 @dataclass
@@ -132,6 +174,7 @@ class Config:
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig("accuracy", 1.0)])
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    control: ControlConfig = field(default_factory=ControlConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------

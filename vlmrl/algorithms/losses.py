@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 
@@ -35,20 +36,87 @@ def masked_mean(x: Tensor, mask: Tensor) -> Tensor:
 
 @register_policy_loss("ppo_clip")
 def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, epsilon_low: float = 0.2,
-                  epsilon_high: float = 0.2) -> PolicyLossOutput:
+                  epsilon_high: float = 0.2, dual_clip: float | None = None, **_) -> PolicyLossOutput:
     """PPO's clipped surrogate, per token: L = -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A),
-    rho = exp(logp - old_logp), A the trajectory's advantage broadcast over its tokens.
+    rho = exp(logp - old_logp), A the trajectory's (or token's) advantage.
 
-    epsilon_high > epsilon_low is DAPO's clip-higher. On the first pass over a fresh rollout rho = 1 and the gradient
-    is the plain policy gradient -A * grad(logp).
+    epsilon_high > epsilon_low is DAPO's clip-higher. `dual_clip` = c > 1 (dual-clip PPO) also bounds the loss of
+    negative-advantage tokens with a huge ratio: for A < 0, L = min(L, -c * A). On the first pass over a fresh
+    rollout rho = 1 and the gradient is the plain policy gradient -A * grad(logp).
     """
     ratio = torch.exp(logp - old_logp)
-    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    adv = _per_token(advantages)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high) * adv
     loss = -torch.minimum(unclipped, clipped)
-    was_clipped = (clipped < unclipped).float()
-    return PolicyLossOutput(loss, masked_mean(was_clipped, mask).detach(), masked_mean(ratio, mask).detach())
+    was_clipped = clipped < unclipped
+    if dual_clip is not None:
+        bound = -dual_clip * adv
+        dual = (adv < 0) & (loss > bound)
+        loss = torch.where(dual, bound, loss)
+        was_clipped = was_clipped | dual
+    return PolicyLossOutput(loss, masked_mean(was_clipped.float(), mask).detach(), masked_mean(ratio, mask).detach())
+
+
+@register_policy_loss("gspo")
+def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, epsilon_low: float = 3e-4,
+              epsilon_high: float = 4e-4, **_) -> PolicyLossOutput:
+    """GSPO: one importance ratio per sequence, the geometric mean of its token ratios,
+    s_i = exp(mean_t (logp_t - old_logp_t)), clipped as in PPO: L_i = -min(s_i * A_i, clip(s_i, 1-eps_l, 1+eps_h) * A_i).
+
+    Written per token as s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]) (GSPO-token), whose value is s_i and whose
+    gradient is s_i * grad(logp_t) / |y_i| under seq-mean-token-mean aggregation. GSPO's clip range is tiny
+    (3e-4, 4e-4) because a sequence ratio moves much less than a token ratio.
+    """
+    m = mask.to(logp.dtype)
+    seq_log_ratio = ((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1)
+    token_ratio = torch.exp(seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach())
+    adv = _per_token(advantages)
+    unclipped = token_ratio * adv
+    clipped = token_ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high) * adv
+    loss = -torch.minimum(unclipped, clipped)
+    seq_ratio = torch.exp(seq_log_ratio.detach())
+    seq_clipped = ((seq_ratio < 1 - epsilon_low) | (seq_ratio > 1 + epsilon_high)).float()
+    rows = (m.sum(-1) > 0).float()
+    return PolicyLossOutput(loss, ((seq_clipped * rows).sum() / rows.sum().clamp(min=1)).detach(),
+                            ((seq_ratio * rows).sum() / rows.sum().clamp(min=1)).detach())
+
+
+@register_policy_loss("reinforce")
+def reinforce_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, **_) -> PolicyLossOutput:
+    """Plain on-policy REINFORCE: L = -A * logp (no ratio, no clipping; use with ppo_epochs = 1)."""
+    adv = _per_token(advantages)
+    zero = torch.zeros((), device=logp.device)
+    return PolicyLossOutput(-adv * logp, zero, masked_mean(torch.exp(logp - old_logp), mask).detach())
+
+
+def _per_token(advantages: Tensor) -> Tensor:
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: float | None = 0.2) -> tuple[Tensor, Tensor]:
+    """PPO's clipped value loss per token: 0.5 * max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
+
+    Returns (per-token loss, share of real tokens where the clipped branch was larger)."""
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        return 0.5 * unclipped, torch.zeros((), device=values.device)
+    clipped_values = old_values + (values - old_values).clamp(-clip, clip)
+    clipped = (clipped_values - returns) ** 2
+    return 0.5 * torch.maximum(unclipped, clipped), masked_mean((clipped > unclipped).float(), mask).detach()
+
+
+def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor, ref_rejected: Tensor,
+             beta: float = 0.1, label_smoothing: float = 0.0) -> tuple[Tensor, Tensor]:
+    """DPO on sequence log-probs [B]: h = beta * ((pi_c - ref_c) - (pi_r - ref_r)),
+    L = -(1 - eps) * log sigmoid(h) - eps * log sigmoid(-h)   (eps = label smoothing, cDPO).
+
+    Returns (loss per pair [B], reward margin h / beta per pair, detached)."""
+    margin = (policy_chosen - ref_chosen) - (policy_rejected - ref_rejected)
+    h = beta * margin
+    loss = -(1 - label_smoothing) * F.logsigmoid(h) - label_smoothing * F.logsigmoid(-h)
+    return loss, margin.detach()
 
 
 def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token-mean", max_tokens: int | None = None,

@@ -83,11 +83,12 @@ def vocabulary_texts(seed: int = 0) -> list[str]:
     return texts
 
 
-def build_dataset(spec: Any, split: str, seed: int) -> tuple[list[Sample], LoadReport | None]:
+def build_dataset(spec: Any, split: str, seed: int, on_error: str = "raise") -> tuple[list[Sample], LoadReport | None]:
     """Samples for one split from a spec: ``{"task": ..., "n": ..., **options}``, ``{"path": ..., ...}`` or a list.
 
     Task specs may set their own ``seed`` (else ``seed`` is used). File specs ignore ``split`` (give each split its
-    own file); their ``n`` keeps the first n samples. Returns the samples and the merged report of the files read
+    own file); their ``n`` keeps the first n samples; their ``on_error`` defaults to ``on_error`` (the recipe's
+    ``data.on_error``). Returns the samples and the merged report of the files read
     (None when the spec reads no file). Sample ids must be unique across the list.
     """
     specs = spec if isinstance(spec, list) else [spec]
@@ -98,7 +99,7 @@ def build_dataset(spec: Any, split: str, seed: int) -> tuple[list[Sample], LoadR
     origin: dict[str, str] = {}
     for index, one in enumerate(specs):
         where = "data spec" if not isinstance(spec, list) else f"data spec [{index}]"
-        part, report = _build_one(one, split, seed, where)
+        part, report = _build_one(one, split, seed, where, on_error)
         for sample in part:
             if sample["id"] in origin:
                 raise DataError(
@@ -112,7 +113,7 @@ def build_dataset(spec: Any, split: str, seed: int) -> tuple[list[Sample], LoadR
     return samples, _merge(reports)
 
 
-def _build_one(spec: Any, split: str, seed: int, where: str) -> tuple[list[Sample], LoadReport | None]:
+def _build_one(spec: Any, split: str, seed: int, where: str, default_on_error: str = "raise") -> tuple[list[Sample], LoadReport | None]:
     if not isinstance(spec, Mapping):
         raise DataError(f"{where}: expected a mapping with 'task' or 'path', got {spec!r}")
     if ("task" in spec) == ("path" in spec):
@@ -130,7 +131,7 @@ def _build_one(spec: Any, split: str, seed: int, where: str) -> tuple[list[Sampl
     _check_keys(spec, list(FILE_SPEC_KEYS), f"{where} (path {spec['path']!r})")
     if not isinstance(spec["path"], (str, Path)):
         raise DataError(f"{where}: 'path' must be a file path string, got {spec['path']!r}")
-    on_error = spec.get("on_error", "raise")
+    on_error = spec.get("on_error", default_on_error)
     if on_error not in ON_ERROR:
         raise DataError(f"{where}: on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
     samples, report = load_file(spec["path"], on_error=on_error, image_root=spec.get("image_root"))

@@ -2,7 +2,7 @@
 
 from vlmrl.models.policy import Policy, load_policy
 from vlmrl.models.qwen_vl import PromptBatch, PromptEmbeds, PromptTooLongError
-from vlmrl.models.tiny import TinyVLMConfig, build_tiny_vlm
+from vlmrl.models.tiny import TinyModelConfig, build_tiny_vlm
 
-__all__ = ["Policy", "PromptBatch", "PromptEmbeds", "PromptTooLongError", "TinyVLMConfig", "build_tiny_vlm",
+__all__ = ["Policy", "PromptBatch", "PromptEmbeds", "PromptTooLongError", "TinyModelConfig", "build_tiny_vlm",
            "load_policy"]

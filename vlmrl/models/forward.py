@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
-from vlmrl.models.qwen_vl import PromptEmbeds
+from vlmrl.models.qwen_vl import PromptBatch, PromptEmbeds
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -20,12 +22,20 @@ def token_entropy(logits: Tensor) -> Tensor:
     return -(logp.exp() * logp).sum(-1)
 
 
+class CompletionOutput(NamedTuple):
+    logprobs: Tensor  # [N, T] log-prob of each completion token (0 on padding)
+    entropy: Tensor | None  # [N, T] entropy of the next-token distribution, when asked for
+    hidden: Tensor | None  # [N, T, H] final hidden states that predicted each token (for a value head)
+
+
 def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, completion_mask: Tensor,
-                        temperature: float = 1.0, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+                        temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
+                        with_hidden: bool = False) -> CompletionOutput:
     """Per-token log-probs [N, T] of `completion_ids` after each (already group-expanded) prompt row.
 
     Completion tokens continue the prompt's M-RoPE positions, exactly as during generation; logits are divided by
-    the sampling temperature (temperature 0 = greedy counts as 1). Padding positions hold 0.
+    the sampling temperature (temperature 0 = greedy counts as 1). Padding positions hold 0. The entropy is
+    detached unless `entropy_grad` (an entropy bonus needs its gradient).
     """
     n, t = completion_ids.shape
     embeds = torch.cat([prompt.embeds, family.embed_tokens(completion_ids)], dim=1)
@@ -35,12 +45,25 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
     positions = torch.cat([prompt.position_ids, completion_pos], dim=2)
     hidden = family.forward_hidden(embeds, mask, positions)
     length = prompt.embeds.shape[1]
-    logits = family.lm_head(hidden[:, length - 1: length + t - 1])
+    hidden = hidden[:, length - 1: length + t - 1]
+    logits = family.lm_head(hidden)
     if temperature > 0:
         logits = logits / temperature
     logprobs = token_logprobs(logits, completion_ids) * completion_mask
     entropy = None
-    if with_entropy:
-        with torch.no_grad():
+    if with_entropy or entropy_grad:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             entropy = token_entropy(logits) * completion_mask
-    return logprobs, entropy
+    return CompletionOutput(logprobs, entropy, hidden if with_hidden else None)
+
+
+def sequence_logprobs(policy, prompts: PromptBatch, prompt_index: Tensor, completion_ids: Tensor,
+                      completion_mask: Tensor, temperature: float, **kwargs) -> CompletionOutput:
+    """`completion_logprobs` for rows of `prompts` chosen by `prompt_index`: each prompt's images go through the
+    vision tower once, for all of its answers in this call (only the prompts that are used are encoded)."""
+    used = sorted(set(prompt_index.tolist()))
+    sub = prompts.subset(used) if used != list(range(len(prompts))) else prompts
+    local = {p: i for i, p in enumerate(used)}
+    rows = torch.tensor([local[p] for p in prompt_index.tolist()], device=completion_ids.device)
+    embeds = policy.family.prompt_embeds(sub).select(rows)
+    return completion_logprobs(policy.family, embeds, completion_ids, completion_mask, temperature, **kwargs)

@@ -70,6 +70,23 @@ class PromptEmbeds:
                             self.next_position[index])
 
 
+def concat_prompt_batches(batches: list[PromptBatch], pad_token_id: int) -> PromptBatch:
+    """One PromptBatch from several (rows in order), re-padded on the left to the longest prompt."""
+    width = max(b.input_ids.shape[1] for b in batches)
+
+    def left_pad(x: Tensor, value: int) -> Tensor:
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+    grids = [b.image_grid_thw for b in batches if b.image_grid_thw is not None]
+    pixels = [b.pixel_values for b in batches if b.pixel_values is not None]
+    return PromptBatch([i for b in batches for i in b.sample_ids],
+                       torch.cat([left_pad(b.input_ids, pad_token_id) for b in batches]),
+                       torch.cat([left_pad(b.attention_mask, 0) for b in batches]),
+                       torch.cat([left_pad(b.mm_token_type_ids, 0) for b in batches]),
+                       torch.cat(pixels) if pixels else None, torch.cat(grids) if grids else None,
+                       [n for b in batches for n in b.images_per_prompt])
+
+
 class PromptTooLongError(ValueError):
     pass
 

@@ -9,10 +9,11 @@ through `vlmrl.models.load_policy(folder)`.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from vlmrl.config import TinyModelConfig
 
 # Qwen2-VL's special tokens, in Qwen's order; the tiny tokenizer keeps the names so prompts look like Qwen prompts.
 SPECIAL_TOKENS = [
@@ -33,25 +34,6 @@ CHAT_TEMPLATE = (
     "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-
-
-@dataclass
-class TinyVLMConfig:
-    """Size of the embedded model. Defaults are measured to learn the built-in tasks on 2 CPU cores."""
-
-    hidden_size: int = 96
-    num_layers: int = 3
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    intermediate_size: int = 256
-    vision_depth: int = 2
-    vision_dim: int = 96
-    vision_heads: int = 4
-    vocab_size: int = 512
-    # 0.02 (Qwen's default) leaves the tiny model ignoring the image for hundreds of SFT steps (DESIGN.md).
-    initializer_range: float = 0.1
-    min_pixels: int = 56 * 56
-    max_pixels: int = 112 * 112
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
@@ -84,7 +66,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
     return fast
 
 
-def tiny_qwen2vl_config(tokenizer, cfg: TinyVLMConfig):
+def tiny_qwen2vl_config(tokenizer, cfg: TinyModelConfig):
     """A `Qwen2VLConfig` of the given size whose special-token ids match `tokenizer`."""
     from transformers import Qwen2VLConfig
 
@@ -128,14 +110,14 @@ def tiny_qwen2vl_config(tokenizer, cfg: TinyVLMConfig):
     )
 
 
-def build_tiny_vlm(out_dir: str | Path, texts: Iterable[str], cfg: TinyVLMConfig | None = None, seed: int = 0) -> Path:
+def build_tiny_vlm(out_dir: str | Path, texts: Iterable[str], cfg: TinyModelConfig | None = None, seed: int = 0) -> Path:
     """Build the embedded VLM (tokenizer, image processor, randomly initialised Qwen2-VL) and save it to `out_dir`.
 
     The result is a folder that `load_policy` (and `Qwen2VLForConditionalGeneration.from_pretrained`) load.
     """
     from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
 
-    cfg = cfg or TinyVLMConfig()
+    cfg = cfg or TinyModelConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(texts, cfg.vocab_size)

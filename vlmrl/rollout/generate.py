@@ -31,6 +31,31 @@ class Rollout:
     def lengths(self) -> Tensor:
         return self.completion_mask.sum(-1)
 
+    def select(self, rows: Tensor, prompt_index: Tensor | None = None) -> Rollout:
+        """Rows `rows` (e.g. the groups DAPO's dynamic sampling keeps), with `prompt_index` replaced if given."""
+        keep = rows.tolist()
+        return Rollout(self.prompt_index[rows] if prompt_index is None else prompt_index, self.completion_ids[rows],
+                       self.completion_mask[rows], self.logprobs[rows], self.truncated[rows],
+                       [self.texts[i] for i in keep])
+
+
+def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
+    """Rollouts of consecutive PromptBatches joined: prompt indices are offset, completions right-padded."""
+    width = max(r.completion_ids.shape[1] for r in rollouts)
+
+    def right_pad(x: Tensor, value) -> Tensor:
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    offsets, total = [], 0
+    for r in rollouts:
+        offsets.append(total)
+        total += int(r.prompt_index.max()) + 1 if len(r.prompt_index) else 0
+    return Rollout(torch.cat([r.prompt_index + o for r, o in zip(rollouts, offsets, strict=True)]),
+                   torch.cat([right_pad(r.completion_ids, pad_token_id) for r in rollouts]),
+                   torch.cat([right_pad(r.completion_mask, 0) for r in rollouts]),
+                   torch.cat([right_pad(r.logprobs, 0.0) for r in rollouts]),
+                   torch.cat([r.truncated for r in rollouts]), [t for r in rollouts for t in r.texts])
+
 
 def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                   generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:

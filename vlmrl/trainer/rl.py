@@ -1,45 +1,35 @@
 """One RL step in four stages: I collect -> II score -> III trajectories -> IV update.
 
-Each stage is a function with a typed result, so one step can be traced from `rl_step` to `optimizer.step()` here,
-and a researcher can swap a stage. The math lives in `vlmrl.algorithms` (advantages, losses, KL).
+Each stage is a function with a typed result, so one step can be traced from `rl_step` to `optimizer.step()` in
+this file and `update.py`, and a researcher can swap a stage. The math lives in `vlmrl.algorithms` (advantages,
+losses, KL estimators).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from vlmrl.algorithms.advantages import ADVANTAGES, zero_variance_fraction
+from vlmrl.algorithms.advantages import ADVANTAGES, nonzero_variance_groups, zero_variance_fraction
 from vlmrl.algorithms.kl import kl_estimate
-from vlmrl.algorithms.losses import POLICY_LOSSES, aggregate, masked_mean
 from vlmrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from vlmrl.eval.generative import correctness
-from vlmrl.models.forward import completion_logprobs
+from vlmrl.models.forward import sequence_logprobs
 from vlmrl.models.policy import Policy
-from vlmrl.models.qwen_vl import PromptBatch
+from vlmrl.models.qwen_vl import PromptBatch, concat_prompt_batches
 from vlmrl.rewards import RewardOutput, RewardSpec, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
-from vlmrl.rollout.generate import Rollout, generate
-
-
-class Trajectories(NamedTuple):
-    """Stage III output: everything the update needs, one row per trajectory (rows of a group contiguous)."""
-
-    prompt_index: Tensor  # [N] row of the PromptBatch this answer belongs to
-    completion_ids: Tensor  # [N, T]
-    completion_mask: Tensor  # [N, T]
-    old_logprobs: Tensor  # [N, T] behaviour-policy log-probs
-    ref_logprobs: Tensor | None  # [N, T] frozen reference, when beta > 0
-    advantages: Tensor  # [N]
+from vlmrl.rollout.generate import Rollout, concat_rollouts, generate
 
 
 @dataclass
 class StepContext:
-    """What an RL step needs besides the batch: the policy, its optimizer and the recipe's sections."""
+    """What an RL step needs besides its prompts: the models, the optimizer and the recipe's sections."""
 
     policy: Policy
     optimizer: torch.optim.Optimizer
@@ -50,23 +40,53 @@ class StepContext:
     trainer: TrainerConfig
     template: str = "{problem}"
     max_prompt_length: int | None = None
-    reference: Policy | None = None  # frozen copy, only when algorithm.beta > 0
+    reference: Policy | None = None  # frozen copy: when algorithm.beta > 0, and for DPO
+    critic: object | None = None  # vlmrl.trainer.critic.Critic, for advantage "gae"
     generator: torch.Generator | None = None
+    step: int = 0
 
 
-# -- Stage I ------------------------------------------------------------------------------------------------------
-def collect(ctx: StepContext, samples: list[dict]) -> tuple[PromptBatch, Rollout]:
+@dataclass
+class Batch:
+    """Stages I + II output: prompts, G answers each, and their rewards (row n answers prompt prompt_index[n])."""
+
+    samples: list[dict]
+    prompts: PromptBatch
+    rollout: Rollout
+    rewards: RewardOutput
+    columns: dict[str, list]
+    baseline_rewards: Tensor | None = None  # ReMax: reward of the prompt's greedy answer, per row
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+class Trajectories(NamedTuple):
+    """Stage III output: everything the update needs, one row per trajectory (rows of a group contiguous)."""
+
+    prompt_index: Tensor  # [N]
+    completion_ids: Tensor  # [N, T]
+    loss_mask: Tensor  # [N, T] tokens that receive gradient (overlong filtering may drop truncated answers)
+    old_logprobs: Tensor  # [N, T] behaviour-policy log-probs
+    ref_logprobs: Tensor | None  # [N, T] frozen reference
+    advantages: Tensor  # [N] or [N, T]
+    rewards: Tensor  # [N] the sequence rewards the advantages came from
+    old_values: Tensor | None = None  # [N, T] critic values at rollout time (gae)
+    returns: Tensor | None = None  # [N, T] value targets (gae)
+
+
+# -- Stage I: collect ------------------------------------------------------------------------------------------------
+def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None,
+            temperature: float | None = None) -> tuple[PromptBatch, Rollout]:
     """G answers for every prompt, in one batched generation call."""
     prompts = make_prompts(ctx.policy, samples, ctx.template, ctx.max_prompt_length)
-    ctx.policy.model.eval()
     r = ctx.rollout
-    rollout = generate(ctx.policy, prompts, r.group_size, r.max_new_tokens, r.temperature, r.top_k, r.top_p,
-                       ctx.generator)
+    ctx.policy.model.eval()
+    rollout = generate(ctx.policy, prompts, group_size or r.group_size, r.max_new_tokens,
+                       r.temperature if temperature is None else temperature, r.top_k, r.top_p, ctx.generator)
     ctx.policy.model.train()
     return prompts, rollout
 
 
-# -- Stage II -----------------------------------------------------------------------------------------------------
+# -- Stage II: score -------------------------------------------------------------------------------------------------
 def score(ctx: StepContext, samples: list[dict], rollout: Rollout) -> tuple[RewardOutput, dict[str, list]]:
     """Every reward function on every answer; failures become None and are counted, never raised."""
     columns = reward_columns(samples, rollout.prompt_index)
@@ -75,109 +95,137 @@ def score(ctx: StepContext, samples: list[dict], rollout: Rollout) -> tuple[Rewa
     return compute_rewards(ctx.rewards, rollout.texts, columns), columns
 
 
-# -- Stage III ----------------------------------------------------------------------------------------------------
-def sequence_logprobs(policy: Policy, prompts: PromptBatch, prompt_index: Tensor, completion_ids: Tensor,
-                      completion_mask: Tensor, temperature: float, with_entropy: bool = False):
-    """Log-probs of completions; each prompt's image goes through the vision tower once, for all its answers."""
-    used = sorted(set(prompt_index.tolist()))
-    sub = prompts.subset(used) if used != list(range(len(prompts))) else prompts
-    local = {p: i for i, p in enumerate(used)}
-    rows = torch.tensor([local[p] for p in prompt_index.tolist()], device=completion_ids.device)
-    embeds = policy.family.prompt_embeds(sub).select(rows)
-    return completion_logprobs(policy.family, embeds, completion_ids, completion_mask, temperature, with_entropy)
+def collect_and_score(ctx: StepContext, samples: list[dict]) -> Batch:
+    prompts, rollout = collect(ctx, samples)
+    rewards, columns = score(ctx, samples, rollout)
+    baseline = None
+    if ctx.algorithm.advantage == "remax":  # ReMax's baseline: the reward of the greedy answer to the same prompt
+        _, greedy = collect(ctx, samples, group_size=1, temperature=0.0)
+        baseline = score(ctx, samples, greedy)[0].total[rollout.prompt_index]
+    return Batch(samples, prompts, rollout, rewards, columns, baseline)
 
 
-def build_trajectories(ctx: StepContext, prompts: PromptBatch, rollout: Rollout, rewards: Tensor) -> Trajectories:
-    """Advantages by the named estimator; old log-probs from generation when the batch is used once, else
-    recomputed; reference log-probs only when beta > 0."""
-    algo, temp = ctx.algorithm, ctx.rollout.temperature
-    advantages = ADVANTAGES[algo.advantage](rewards, ctx.rollout.group_size, scale=algo.advantage_scale)
-    args = (prompts, rollout.prompt_index, rollout.completion_ids, rollout.completion_mask, temp)
+def keep_groups(batch: Batch, keep: Tensor, group_size: int) -> Batch:
+    """The groups (prompts) where `keep` [num_prompts] is True, all stage I/II data kept aligned."""
+    prompts_kept = keep.nonzero().flatten()
+    rows = (prompts_kept[:, None] * group_size + torch.arange(group_size)).flatten()
+    new_index = torch.arange(len(prompts_kept)).repeat_interleave(group_size)
+    r = batch.rewards
+    rewards = RewardOutput(r.total[rows], {k: [v[i] for i in rows.tolist()] for k, v in r.components.items()},
+                           r.failures, r.no_reward, r.errors)
+    return Batch([batch.samples[i] for i in prompts_kept.tolist()], batch.prompts.subset(prompts_kept.tolist()),
+                 batch.rollout.select(rows, new_index), rewards,
+                 {k: [v[i] for i in rows.tolist()] for k, v in batch.columns.items()},
+                 None if batch.baseline_rewards is None else batch.baseline_rewards[rows], batch.stats)
+
+
+def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
+    rs = [b.rewards for b in batches]
+    rewards = RewardOutput(torch.cat([r.total for r in rs]),
+                           {k: [v for r in rs for v in r.components[k]] for k in rs[0].components},
+                           {k: sum(r.failures.get(k, 0) for r in rs) for k in rs[0].failures},
+                           sum(r.no_reward for r in rs), {k: v for r in rs for k, v in r.errors.items()})
+    baselines = [b.baseline_rewards for b in batches]
+    return Batch([s for b in batches for s in b.samples],
+                 concat_prompt_batches([b.prompts for b in batches], pad_token_id),
+                 concat_rollouts([b.rollout for b in batches], pad_token_id), rewards,
+                 {k: [v for b in batches for v in b.columns[k]] for k in batches[0].columns},
+                 None if baselines[0] is None else torch.cat(baselines), batches[0].stats)
+
+
+def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[dict]]) -> Batch:
+    """DAPO's dynamic sampling: keep groups whose rewards differ; sample more prompts (up to max_resample_rounds
+    extra generation calls) until prompts_per_step such groups are found; use what was found if the cap is hit."""
+    g, want = ctx.rollout.group_size, ctx.rollout.prompts_per_step
+    kept, found, rounds, generated = [], 0, 0, 0
+    batch = first
+    while True:
+        generated += len(batch.samples)
+        keep = nonzero_variance_groups(batch.rewards.total, g)
+        if keep.any():
+            kept.append(keep_groups(batch, keep, g))
+            found += int(keep.sum())
+        if found >= want or rounds >= ctx.algorithm.max_resample_rounds:
+            break
+        rounds += 1
+        batch = collect_and_score(ctx, draw(want))
+    stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": min(found, want),
+             "dynamic_sampling/dropped_groups": generated - found}
+    if not kept:
+        first.stats = {**stats, "dynamic_sampling/kept_groups": 0}
+        return first  # nothing to learn from; the update sees all-zero advantages
+    out = concat_batches(kept, ctx.policy.pad_token_id) if len(kept) > 1 else kept[0]
+    if found > want:
+        out = keep_groups(out, torch.arange(found) < want, g)
+    out.stats = stats
+    return out
+
+
+# -- Stage III: trajectories -----------------------------------------------------------------------------------------
+def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
+    """Old log-probs (from generation when the batch is used once, else recomputed), reference log-probs and the
+    per-token KL when a reference exists, critic values for gae, then advantages by the named estimator."""
+    algo, rollout, temp = ctx.algorithm, batch.rollout, ctx.rollout.temperature
+    mask = rollout.completion_mask
+    args = (batch.prompts, rollout.prompt_index, rollout.completion_ids, mask, temp)
     with torch.no_grad():
         if ctx.trainer.ppo_epochs * ctx.trainer.minibatches == 1:
             old = rollout.logprobs
         else:
             ctx.policy.model.eval()
-            old = sequence_logprobs(ctx.policy, *args)[0]
+            old = sequence_logprobs(ctx.policy, *args).logprobs
             ctx.policy.model.train()
-        ref = sequence_logprobs(ctx.reference, *args)[0] if ctx.reference is not None else None
-    return Trajectories(rollout.prompt_index, rollout.completion_ids, rollout.completion_mask, old, ref, advantages)
+        ref = sequence_logprobs(ctx.reference, *args).logprobs if ctx.reference is not None else None
+        values = ctx.critic.values(*args) if ctx.critic is not None else None
+    rewards = batch.rewards.total
+    kl = kl_estimate(old, ref, algo.kl_estimator) * mask if ref is not None else None
+    reward_kl_beta = algo.beta if algo.kl_in == "reward" else 0.0
+    if reward_kl_beta and algo.advantage in ("grpo", "rloo", "remax"):  # sequence-level estimators: fold sum_t KL
+        rewards = rewards - reward_kl_beta * kl.sum(-1)
+    adv = ADVANTAGES[algo.advantage](
+        rewards=rewards, group_size=ctx.rollout.group_size, scale=algo.advantage_scale, mask=mask, kl=kl,
+        beta=reward_kl_beta, gamma=algo.gamma, lam=algo.lam, values=values, baseline=algo.reinforce_pp_baseline,
+        baseline_rewards=batch.baseline_rewards)
+    loss_mask = mask * (~rollout.truncated).long()[:, None] if algo.overlong_filter else mask
+    return Trajectories(rollout.prompt_index, rollout.completion_ids, loss_mask, old, ref, adv.advantages, rewards,
+                        values, adv.returns)
 
 
-# -- Stage IV -----------------------------------------------------------------------------------------------------
-def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[str, float]:
-    """ppo_epochs passes over the rollout batch, split into minibatches (one optimizer step each) and micro-batches
-    (gradient accumulation: memory only, the loss is normalised by the whole minibatch)."""
-    algo, cfg = ctx.algorithm, ctx.trainer
-    n = traj.advantages.shape[0]
-    loss_fn = POLICY_LOSSES[algo.policy_loss]
-    sums = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    updates = 0
-    for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(n, generator=ctx.generator) if cfg.minibatches > 1 else torch.arange(n)
-        for minibatch in order.chunk(cfg.minibatches):
-            mb_tokens = traj.completion_mask[minibatch].sum().clamp(min=1)
-            micro = cfg.micro_batch or len(minibatch)
-            ctx.optimizer.zero_grad(set_to_none=True)
-            for rows in minibatch.split(micro):
-                mask = traj.completion_mask[rows]
-                logp, entropy = sequence_logprobs(ctx.policy, prompts, traj.prompt_index[rows],
-                                                  traj.completion_ids[rows], mask, ctx.rollout.temperature,
-                                                  with_entropy=True)
-                out = loss_fn(logp, traj.old_logprobs[rows], traj.advantages[rows], mask,
-                              epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high)
-                per_token = out.per_token_loss
-                share = len(rows) / len(minibatch)
-                if traj.ref_logprobs is not None:
-                    kl = kl_estimate(logp, traj.ref_logprobs[rows], algo.kl_estimator)
-                    per_token = per_token + algo.beta * kl
-                    sums["kl"] += masked_mean(kl, mask).item() * share
-                loss = aggregate(per_token, mask, algo.loss_aggregation, ctx.rollout.max_new_tokens,
-                                 batch_tokens=mb_tokens, batch_sequences=len(minibatch))
-                loss.backward()
-                sums["loss"] += loss.item()
-                sums["clip_fraction"] += out.clip_fraction.item() * share
-                sums["entropy"] += masked_mean(entropy, mask).item() * share
-            params = [p for p in ctx.policy.model.parameters() if p.requires_grad]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-            ctx.optimizer.step()
-            sums["grad_norm"] += float(grad_norm)
-            updates += 1
-    ctx.scheduler.step()
-    metrics = {k: v / updates for k, v in sums.items()}
-    metrics["lr"] = ctx.scheduler.get_last_lr()[0]
-    if traj.ref_logprobs is None:
-        metrics.pop("kl")
-    return metrics
-
-
-def rl_step(ctx: StepContext, samples: list[dict]) -> tuple[dict[str, float], dict]:
+# -- Stage IV: update -> vlmrl/trainer/update.py ---------------------------------------------------------------------
+def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None
+            ) -> tuple[dict[str, float], dict]:
     """One generation step: returns its metrics and a rollout-gallery entry for the first prompt."""
+    from vlmrl.trainer.update import update
+
     t0 = time.perf_counter()
     vision_before = ctx.policy.family.vision_calls
-    prompts, rollout = collect(ctx, samples)
+    batch = collect_and_score(ctx, samples)
     vision_calls = ctx.policy.family.vision_calls - vision_before
+    first = batch
+    if ctx.algorithm.dynamic_sampling and draw is not None:
+        batch = dynamic_sampling(ctx, batch, draw)
     t1 = time.perf_counter()
-    rewards, columns = score(ctx, samples, rollout)
+    traj = build_trajectories(ctx, batch)
+    metrics = update(ctx, batch.prompts, traj)
     t2 = time.perf_counter()
-    traj = build_trajectories(ctx, prompts, rollout, rewards.total)
-    metrics = update(ctx, prompts, traj)
-    t3 = time.perf_counter()
     g = ctx.rollout.group_size
-    lengths = rollout.lengths.float()
-    correct = correctness(rollout.texts, columns)
-    metrics.update(rewards.metrics())
+    rollout = first.rollout  # accuracy and lengths describe the i.i.d. sample, before any filtering
+    correct = correctness(rollout.texts, first.columns)
+    metrics.update(first.rewards.metrics())
+    metrics.update(batch.stats)
     metrics.update({
         "accuracy": sum(correct) / len(correct),
-        "zero_variance_groups": zero_variance_fraction(rewards.total, g),
+        "zero_variance_groups": zero_variance_fraction(first.rewards.total, g),
         "advantage_abs_mean": traj.advantages.abs().mean().item(),
-        "response_length": lengths.mean().item(),
+        "response_length": rollout.lengths.float().mean().item(),
         "truncated_share": rollout.truncated.float().mean().item(),
         "vision_forward_calls_rollout": vision_calls,
-        "time/collect": t1 - t0, "time/score": t2 - t1, "time/update": t3 - t2,
-        "rollouts_per_second": len(rollout.texts) / (t3 - t0),
+        "time/collect_score": t1 - t0, "time/update": t2 - t1,
+        "rollouts_per_second": len(rollout.texts) / (t2 - t0),
     })
-    first = samples[0]
-    gallery = {"id": first["id"], "problem": first["problem"], "solution": first["solution"],
-               "answers": rollout.texts[:g], "rewards": rewards.total[:g].tolist()}
+    s = first.samples[0]
+    gallery = {"id": s["id"], "problem": s["problem"], "solution": s["solution"], "answers": rollout.texts[:g],
+               "rewards": first.rewards.total[:g].tolist(), "correct": correct[:g],
+               "components": {k: v[:g] for k, v in first.rewards.components.items()},
+               "image": (s.get("images") or [None])[0]}  # the logger saves it as RUN_DIR/gallery/*.png
     return metrics, gallery

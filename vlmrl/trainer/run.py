@@ -14,13 +14,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from vlmrl.config import Config, save_config
+from vlmrl.config import Config, save_config, to_dict
 from vlmrl.data import build_dataset, vocabulary_texts
 from vlmrl.eval.generative import evaluate
-from vlmrl.models import TinyVLMConfig, build_tiny_vlm, load_policy
+from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
 from vlmrl.rewards import RewardSpec, resolve_reward
 from vlmrl.trainer.checkpoint import load_state, restore_rng, rng_state, save_checkpoint
+from vlmrl.trainer.critic import Critic
 from vlmrl.trainer.logger import MetricsLogger
 from vlmrl.trainer.rl import StepContext, rl_step
 from vlmrl.trainer.sft import sft_step
@@ -69,8 +70,7 @@ def build_policy(cfg: Config, run_dir: Path) -> Policy:
     m = cfg.model
     name = m.name_or_path
     if name == "tiny":
-        tiny = TinyVLMConfig(**vars(m.tiny))
-        name = build_tiny_vlm(run_dir / "base_model", vocabulary_texts(cfg.data.seed), tiny, seed=cfg.trainer.seed)
+        name = build_tiny_vlm(run_dir / "base_model", vocabulary_texts(cfg.data.seed), m.tiny, seed=cfg.trainer.seed)
     return load_policy(name, m.dtype, m.device, m.min_pixels, m.max_pixels)
 
 
@@ -106,7 +106,8 @@ def run_eval(policy: Policy, cfg: Config, samples: list[dict], rewards, progress
         res = evaluate(policy, samples, temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens,
                        batch_size=cfg.eval.batch_size, template=cfg.data.prompt_template,
                        max_prompt_length=cfg.data.max_prompt_length, rewards=rewards, seed=cfg.trainer.seed,
-                       progress=lambda n: progress.advance(n))
+                       progress=progress.advance, n=cfg.eval.samples, ks=cfg.eval.pass_k,
+                       reflection_words=cfg.eval.reflection_words)
         progress.end()
         out.update({f"{mode}/{k}": v for k, v in res["metrics"].items()})
     return out
@@ -125,17 +126,17 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     resume_state = load_state(resume) if resume else None
 
     d = cfg.data
-    train_set, report = build_dataset(d.train, "train", d.seed)
-    eval_set, eval_report = build_dataset(d.eval, "test", d.seed)
+    train_set, report = build_dataset(d.train, "train", d.seed, d.on_error)
+    eval_set, eval_report = build_dataset(d.eval, "test", d.seed, d.on_error)
     reports = [r for r in (report, eval_report) if r is not None]
     sft_set = []
     if cfg.sft.steps > 0:
-        sft_set, sft_report = build_dataset(d.sft, "train", d.seed + 1)
+        sft_set, sft_report = build_dataset(d.sft, "train", d.seed + 1, d.on_error)
         reports += [sft_report] if sft_report is not None else []
     # data is loaded (and bad input reported) before the run directory is created
     run_dir = Path(resume).parent if resume else fresh_run_dir(cfg.trainer.output_dir)
     save_config(cfg, run_dir / "config.yaml")
-    logger = MetricsLogger(run_dir, cfg.trainer.tensorboard)
+    logger = MetricsLogger(run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project, to_dict(cfg))
     for r in reports:
         if r.skipped:
             progress.message(f"{r.path}: skipped {r.skipped} bad rows (data.on_error=skip); first: {r.problems[0]}")
@@ -143,7 +144,8 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
                 "skipped_rows": sum(r.skipped for r in reports)}, 0, "data")
 
     generator = torch.Generator().manual_seed(cfg.trainer.seed)
-    summary: dict = {"run_dir": str(run_dir)}
+    summary: dict = {"run_dir": str(run_dir), "skipped_rows": sum(r.skipped for r in reports),
+                     "skipped_problems": [p for r in reports for p in r.problems]}
 
     if resume_state is None:
         policy = build_policy(cfg, run_dir)
@@ -168,7 +170,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         summary["start"] = resume_state.get("start_eval", {})
 
     reference = None
-    if cfg.algorithm.beta > 0:
+    if cfg.algorithm.beta > 0 or cfg.algorithm.policy_loss == "dpo":
         reference = copy.deepcopy(policy)
         reference.family = type(policy.family)(reference.model)
         reference.model.eval().requires_grad_(False)
@@ -185,20 +187,27 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         restore_rng(resume_state["rng"], generator)
         first_step = resume_state["step"] + 1
 
+    critic = None
+    if cfg.algorithm.advantage == "gae":
+        critic = Critic(policy, cfg.algorithm.critic, cfg.algorithm.critic_lr)
+        if resume_state is not None:
+            critic.load_state_dict(resume_state["critic"])
     ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, cfg.algorithm, cfg.trainer,
-                      d.prompt_template, d.max_prompt_length, reference, generator)
+                      d.prompt_template, d.max_prompt_length, reference, critic, generator)
 
     def checkpoint(step: int) -> Path:
         state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "data": stream.state(), "rng": rng_state(generator), "start_eval": summary["start"]}
+                 "data": stream.state(), "rng": rng_state(generator), "start_eval": summary["start"],
+                 "critic": critic.state_dict() if critic is not None else None}
         return save_checkpoint(run_dir / f"checkpoint-{step}", policy, cfg, state)
 
     if resume_state is None:
         checkpoint(0)  # the SFT start: the baseline every RL number is compared with
     progress.start("rl", t.steps - first_step + 1)
     for step in range(first_step, t.steps + 1):
+        ctx.step = step
         samples = [train_set[i] for i in stream.next(cfg.rollout.prompts_per_step)]
-        metrics, gallery = rl_step(ctx, samples)
+        metrics, gallery = rl_step(ctx, samples, draw=lambda k: [train_set[i] for i in stream.next(k)])
         logger.log(metrics, step, "train")
         if t.log_rollouts_every and (step % t.log_rollouts_every == 0 or step == 1):
             logger.log_rollouts([{"step": step, **gallery}])

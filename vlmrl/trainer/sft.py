@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from vlmrl.models.forward import sequence_logprobs
 from vlmrl.models.policy import Policy
 from vlmrl.rollout.batch import make_prompts
-from vlmrl.trainer.rl import sequence_logprobs
 
 
 def target_ids(policy: Policy, texts: list[str]) -> tuple[Tensor, Tensor]:
@@ -34,7 +34,7 @@ def sft_loss(policy: Policy, samples: list[dict], target_template: str, template
     prompts = make_prompts(policy, samples, template, max_prompt_length)
     ids, mask = target_ids(policy, [target_template.format(**s) for s in samples])
     device = policy.model.device
-    logp, _ = sequence_logprobs(policy, prompts, torch.arange(len(samples)), ids.to(device), mask.to(device), 1.0)
+    logp = sequence_logprobs(policy, prompts, torch.arange(len(samples)), ids.to(device), mask.to(device), 1.0).logprobs
     return -(logp.sum() / mask.sum())
 
 

@@ -1,0 +1,136 @@
+"""Stage IV, update: the policy-gradient update (with optional critic) and online DPO.
+
+`ppo_epochs` passes over the rollout batch, each split into `minibatches` (one optimizer step each) and
+`micro_batch`-sized chunks (gradient accumulation: memory only; every chunk's loss is normalised by its whole
+minibatch, so the gradient does not depend on the chunking).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlmrl.algorithms.kl import kl_estimate
+from vlmrl.algorithms.losses import POLICY_LOSSES, aggregate, dpo_loss, masked_mean, value_loss
+from vlmrl.models.forward import sequence_logprobs
+from vlmrl.models.qwen_vl import PromptBatch
+from vlmrl.trainer.rl import StepContext, Trajectories
+
+
+def _clip_and_step(params: list, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    optimizer.step()
+    return float(norm)
+
+
+def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[str, float]:
+    if ctx.algorithm.policy_loss == "dpo":
+        return update_online_dpo(ctx, prompts, traj)
+    algo, cfg = ctx.algorithm, ctx.trainer
+    n = traj.advantages.shape[0]
+    loss_fn = POLICY_LOSSES[algo.policy_loss]
+    critic = ctx.critic
+    warmup = critic is not None and ctx.step <= algo.critic_warmup_steps  # train only the critic
+    policy_params = [p for p in ctx.policy.model.parameters() if p.requires_grad]
+    sums: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0}
+    if traj.ref_logprobs is not None:
+        sums["kl"] = 0.0
+    if critic is not None:
+        sums.update({"value_loss": 0.0, "value_clip_fraction": 0.0})
+    updates = 0
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(n, generator=ctx.generator) if cfg.minibatches > 1 else torch.arange(n)
+        for minibatch in order.chunk(cfg.minibatches):
+            mb_tokens = traj.loss_mask[minibatch].sum().clamp(min=1)
+            ctx.optimizer.zero_grad(set_to_none=True)
+            if critic is not None:
+                critic.optimizer.zero_grad(set_to_none=True)
+            for rows in minibatch.split(cfg.micro_batch or len(minibatch)):
+                share = len(rows) / len(minibatch)
+                mask = traj.loss_mask[rows]
+                out = sequence_logprobs(ctx.policy, prompts, traj.prompt_index[rows], traj.completion_ids[rows],
+                                        mask, ctx.rollout.temperature, with_entropy=True,
+                                        entropy_grad=algo.entropy_coef > 0,
+                                        with_hidden=critic is not None and critic.mode == "head")
+                pl = loss_fn(out.logprobs, traj.old_logprobs[rows], traj.advantages[rows], mask,
+                             epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high, dual_clip=algo.dual_clip)
+                per_token = pl.per_token_loss
+                if traj.ref_logprobs is not None:
+                    kl = kl_estimate(out.logprobs, traj.ref_logprobs[rows], algo.kl_estimator)
+                    if algo.kl_in == "loss" and algo.beta:
+                        per_token = per_token + algo.beta * kl
+                    sums["kl"] += masked_mean(kl, mask).item() * share
+                if algo.entropy_coef:
+                    per_token = per_token - algo.entropy_coef * out.entropy
+                loss = aggregate(per_token, mask, algo.loss_aggregation, ctx.rollout.max_new_tokens,
+                                 batch_tokens=mb_tokens, batch_sequences=len(minibatch))
+                if warmup:
+                    loss = loss * 0.0
+                if critic is not None:
+                    if critic.mode == "head":
+                        values = critic.values_from_hidden(out.hidden, mask)
+                    else:
+                        values = critic.values(prompts, traj.prompt_index[rows], traj.completion_ids[rows], mask,
+                                               ctx.rollout.temperature)
+                    vl, vclip = value_loss(values, traj.old_values[rows], traj.returns[rows], mask, algo.value_clip)
+                    vl = aggregate(vl, mask, "token-mean", batch_tokens=mb_tokens)
+                    loss = loss + (algo.vf_coef if critic.mode == "head" else 1.0) * vl
+                    sums["value_loss"] += vl.item()
+                    sums["value_clip_fraction"] += vclip.item() * share
+                loss.backward()
+                sums["loss"] += loss.item()
+                sums["clip_fraction"] += pl.clip_fraction.item() * share
+                sums["entropy"] += masked_mean(out.entropy.detach(), mask).item() * share
+            if critic is not None:
+                critic_params = [p for group in critic.optimizer.param_groups for p in group["params"]]
+                _clip_and_step(critic_params, critic.optimizer, cfg.max_grad_norm)
+            if not warmup:
+                sums["grad_norm"] += _clip_and_step(policy_params, ctx.optimizer, cfg.max_grad_norm)
+            updates += 1
+    ctx.scheduler.step()
+    metrics = {k: v / updates for k, v in sums.items()}
+    metrics["lr"] = ctx.scheduler.get_last_lr()[0]
+    return metrics
+
+
+def dpo_pairs(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
+    """Online DPO pairs: in each group whose rewards differ, the best answer (chosen) and the worst (rejected);
+    ties go to the earliest row. Returns row indices (chosen [P], rejected [P])."""
+    groups = rewards.view(-1, group_size)
+    differ = (groups.max(1).values - groups.min(1).values) > 1e-8
+    base = torch.arange(groups.shape[0]) * group_size
+    chosen = (base + groups.argmax(1))[differ]
+    rejected = (base + groups.argmin(1))[differ]
+    return chosen, rejected
+
+
+def update_online_dpo(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[str, float]:
+    """One optimizer step of DPO on (best, worst) answer pairs from the policy's own groups."""
+    algo, cfg = ctx.algorithm, ctx.trainer
+    chosen, rejected = dpo_pairs(traj.rewards, ctx.rollout.group_size)
+    metrics = {"dpo/pairs": float(len(chosen))}
+    if len(chosen) == 0:
+        ctx.scheduler.step()
+        return {**metrics, "loss": 0.0, "lr": ctx.scheduler.get_last_lr()[0]}
+    ctx.optimizer.zero_grad(set_to_none=True)
+    total, margins, micro = 0.0, [], cfg.micro_batch or len(chosen)
+    for start in range(0, len(chosen), micro):
+        c, r = chosen[start:start + micro], rejected[start:start + micro]
+        both = torch.cat([c, r])
+        mask = traj.loss_mask[both]
+        out = sequence_logprobs(ctx.policy, prompts, traj.prompt_index[both], traj.completion_ids[both], mask,
+                                ctx.rollout.temperature)
+        seq = out.logprobs.sum(-1)
+        ref = (traj.ref_logprobs[both] * mask).sum(-1)
+        k = len(c)
+        loss, margin = dpo_loss(seq[:k], seq[k:], ref[:k], ref[k:], algo.dpo_beta, algo.dpo_label_smoothing)
+        loss = loss.sum() / len(chosen)
+        loss.backward()
+        total += loss.item()
+        margins.append(margin)
+    grad_norm = _clip_and_step([p for p in ctx.policy.model.parameters() if p.requires_grad], ctx.optimizer,
+                               cfg.max_grad_norm)
+    ctx.scheduler.step()
+    margin = torch.cat(margins)
+    return {**metrics, "loss": total, "grad_norm": grad_norm, "dpo/margin": margin.mean().item(),
+            "dpo/accuracy": (margin > 0).float().mean().item(), "lr": ctx.scheduler.get_last_lr()[0]}
