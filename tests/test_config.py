@@ -81,7 +81,7 @@ def test_recipe_reference_lists_every_key():
     def keys(cls):
         for f in dataclasses.fields(cls):
             if dataclasses.is_dataclass(f.type) or f.name in ("model", "data", "sft", "rollout", "algorithm",
-                                                              "trainer", "eval", "tiny", "rewards"):
+                                                              "trainer", "eval", "tiny", "rewards", "lora"):
                 continue
             yield f.name
 

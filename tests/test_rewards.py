@@ -318,6 +318,7 @@ def test_metrics_keys_and_values():
     metrics = out.metrics()
     expected = {f"reward/{k}/{s}" for k in ("accuracy", "format") for s in ("mean", "std", "count", "failures")}
     expected |= {"reward/total/mean", "reward/total/std", "reward/failure_rate", "reward/no_reward"}
+    expected |= {"time/reward/accuracy", "time/reward/format"}
     assert set(metrics) == expected
     assert metrics["reward/accuracy/mean"] == 0.5 and metrics["reward/accuracy/std"] == 0.5
     assert metrics["reward/total/mean"] == 0.5 and metrics["reward/no_reward"] == 0.0
@@ -325,7 +326,7 @@ def test_metrics_keys_and_values():
 
 
 def test_compute_rewards_config_errors():
-    with pytest.raises(ValueError, match="accuracy.*counting.*format.*giou.*iou.*length"):
+    with pytest.raises(ValueError, match="accuracy.*counting.*detection.*format.*giou.*iou.*judge.*length"):
         compute_rewards([RewardSpec("acuracy")], ["x"], {"solution": ["5"]})
     with pytest.raises(ValueError, match="label"):
         compute_rewards([RewardSpec("accuracy"), RewardSpec("accuracy")], ["x"], {"solution": ["5"]})
@@ -352,7 +353,7 @@ def test_resolve_reward_from_file_and_module(tmp_path, monkeypatch):
         resolve_reward(f"{path}:whisper")
     with pytest.raises(FileNotFoundError):
         resolve_reward("missing.py:shout")
-    with pytest.raises(ValueError, match="registered rewards: accuracy, counting, format, giou, iou, length"):
+    with pytest.raises(ValueError, match="registered rewards: accuracy, classification, counting, detection, format, giou, iou, judge"):
         resolve_reward("nope")
 
 

@@ -1,4 +1,4 @@
-"""The `vlmrl` command line: train, eval, data. The CLI owns console output and progress bars."""
+"""The `vlmrl` command line: train, eval, report, data. The CLI owns console output and progress bars."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ Examples:
   vlmrl train
   vlmrl train recipes/quickstart.yaml trainer.lr=1e-4 rollout.group_size=4
   vlmrl train recipes/quickstart.yaml trainer.steps=600 --resume runs/quickstart/checkpoint-300
+  vlmrl train recipes/quickstart.yaml --seeds 3 --control sft   # seeds, matched-compute control, OOD (docs/evaluation.md)
 Every key, its type and its default: `vlmrl train --show-config`; docs/recipes.md explains them."""
 
 
@@ -59,6 +60,8 @@ def cmd_train(args) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
+    if args.seeds or args.control:
+        return cmd_train_baselines(cfg, args)
     from vlmrl.trainer.run import train
 
     summary = train(cfg, BarProgress(), resume=args.resume)
@@ -71,15 +74,18 @@ def cmd_train(args) -> int:
             fmt = _pct if "accuracy" in key else (lambda x: f"{x:6.2f}")
             print(f"{key:<22}{fmt(a):>12}{fmt(b):>12}")
     print(f"wall time: {summary['wall_seconds']:.0f} s; final checkpoint: {summary['checkpoint']}")
+    if summary["skipped_rows"]:
+        print(f"skipped {summary['skipped_rows']} bad data rows (data.on_error=skip):")
+        for problem in summary["skipped_problems"][:20]:
+            print(f"  {problem}")
     return 0
 
 
 def cmd_eval(args) -> int:
-    import yaml
-
     from vlmrl.config import load_config
     from vlmrl.data import build_dataset
     from vlmrl.eval.generative import evaluate
+    from vlmrl.eval.tables import eval_table
     from vlmrl.models import load_policy
     from vlmrl.rewards import RewardSpec
 
@@ -96,20 +102,54 @@ def cmd_eval(args) -> int:
     if report is not None and report.skipped:
         print(f"{report.path}: skipped {report.skipped} bad rows", file=sys.stderr)
     policy = load_policy(ckpt, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels)
-    rewards = [RewardSpec(r.name, r.weight, dict(r.kwargs), r.label) for r in cfg.rewards]
-    results = {}
+    rewards = [RewardSpec.from_config(r) for r in cfg.rewards]
+    results, full = {}, {}
     progress = BarProgress()
-    for temperature in args.temperatures:
+    for temperature in args.temperatures or cfg.eval.temperatures:
         progress.start(f"eval T={temperature}", len(samples))
         res = evaluate(policy, samples, temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens,
                        batch_size=cfg.eval.batch_size, template=cfg.data.prompt_template,
                        max_prompt_length=cfg.data.max_prompt_length, rewards=rewards, seed=cfg.trainer.seed,
-                       progress=progress.advance)
+                       progress=progress.advance, n=args.samples, ks=args.k or cfg.eval.pass_k,
+                       reflection_words=cfg.eval.reflection_words)
         progress.end()
-        results[f"T={temperature}"] = res["metrics"]
-    print(yaml.safe_dump(results, sort_keys=False))
+        full[f"T={temperature}"] = res
+        # the flat metrics at the top of each temperature; the breakdowns beside them
+        results[f"T={temperature}"] = {**res["metrics"], "per_task": res["per_task"], "reflection": res["reflection"]}
+    print(eval_table(full))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+        print(f"wrote {args.out}")
+    return 0
+
+
+def cmd_train_baselines(cfg, args) -> int:
+    from vlmrl.eval.tables import baselines_table_text, seeds_table_text
+    from vlmrl.trainer.control import train_with_baselines
+    from vlmrl.trainer.sweep import run_seeds
+
+    progress = BarProgress()
+    if args.resume:
+        print("error: --resume cannot be combined with --seeds or --control", file=sys.stderr)
+        return 2
+    if not args.seeds:
+        summary = train_with_baselines(cfg, args.control, progress)
+        print(f"\nrun directory: {summary['run_dir']} (baselines.json)")
+        print(baselines_table_text(summary["baselines"]))
+        return 0
+    done = lambda r: print(f"\nseed done: {r['run_dir']}\n" + baselines_table_text(r["baselines"]))  # noqa: E731
+    out = run_seeds(cfg, args.seeds, args.control, progress, on_seed_done=done)
+    print(f"\nsweep root: {out['root']} (seeds.json)")
+    print(seeds_table_text(out))
+    print(f"report: vlmrl report {out['root']}")
+    return 0
+
+
+def cmd_report(args) -> int:
+    from vlmrl.eval.report import write_report
+
+    index = write_report(args.runs, args.out)
+    print(f"wrote {index} (open it in a browser; the folder is self-contained)")
     return 0
 
 
@@ -154,6 +194,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a YAML recipe (optional) followed by dotted overrides such as trainer.lr=1e-5")
     t.add_argument("--resume", metavar="CHECKPOINT", help="continue the run from RUN_DIR/checkpoint-N")
     t.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+    t.add_argument("--seeds", type=int, default=0, metavar="N",
+                   help="run the recipe N times (trainer.seed, +1, ...) under trainer.output_dir and aggregate mean, "
+                        "std and max of every eval metric into seeds.json")
+    t.add_argument("--control", choices=["sft"],
+                   help="also run a matched-compute control (sft: continued SFT from the same start on data.sft for "
+                        "the RL phase's wall time) and evaluate start, RL and control in- and out-of-distribution "
+                        "(eval.ood) into RUN_DIR/baselines.json")
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint or model folder on held-out data",
@@ -164,10 +211,22 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--data", help="a built-in task name or a data file (default: the recipe's data.eval)")
     e.add_argument("--split", default="test", choices=["train", "test", "ood"], help="split of a built-in task")
     e.add_argument("--n", type=int, default=0, help="number of samples of a built-in task")
-    e.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0],
-                   help="decoding temperatures (0 = greedy); one answer per sample each")
+    e.add_argument("--temperatures", type=float, nargs="+",
+                   help="decoding temperatures (0 = greedy); default eval.temperatures (0 0.6 1.0)")
+    e.add_argument("--samples", type=int, default=8,
+                   help="answers per sample at temperature > 0, for pass@k, mean@n and maj@n (greedy takes 1)")
+    e.add_argument("--k", type=int, nargs="+", help="pass@k values to report (default eval.pass_k; k <= --samples)")
     e.add_argument("--out", help="also write the results as JSON here")
     e.set_defaults(func=cmd_eval)
+
+    r = sub.add_parser("report", help="write an HTML report (curves, tables, rollout gallery) of runs",
+                       description="A self-contained HTML page with PNG plots for RUN_DIR: learning curves with seed "
+                                   "bands, a before/after table, the baselines (start, RL, control; in-distribution "
+                                   "and OOD) and a rollout gallery. Give several runs, or a --seeds sweep root, to "
+                                   "aggregate seeds.")
+    r.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories, or a sweep root holding seed*/ runs")
+    r.add_argument("--out", help="output folder (default RUN_DIR/report)")
+    r.set_defaults(func=cmd_report)
 
     d = sub.add_parser("data", help="list, export or check datasets")
     dsub = d.add_subparsers(dest="data_cmd", required=True)
@@ -181,6 +240,12 @@ def build_parser() -> argparse.ArgumentParser:
     c = dsub.add_parser("check", help="load a JSONL/parquet file and report every bad row (file, line, problem)")
     c.add_argument("path")
     d.set_defaults(func=cmd_data)
+    from vlmrl.rewards.cli import add_parser as add_inspect_reward
+    add_inspect_reward(sub)
+    from vlmrl.models.cli import add_parser as add_export
+    add_export(sub)
+    from vlmrl.reclip.cli import add_parser as add_reclip
+    add_reclip(sub)
     return p
 
 
@@ -199,8 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # data errors carry file/line/sample; show them without a traceback
         from vlmrl.data import DataError
         from vlmrl.models import PromptTooLongError
+        from vlmrl.rewards import FatalRewardError  # e.g. the judge's API key was refused
 
-        if isinstance(e, (DataError, PromptTooLongError, FileNotFoundError, ValueError)):
+        if isinstance(e, (DataError, PromptTooLongError, FileNotFoundError, ValueError, FatalRewardError)):
             print(f"error: {e}", file=sys.stderr)
             return 2
         raise

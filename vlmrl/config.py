@@ -39,6 +39,15 @@ class TinyModelConfig:
 
 
 @dataclass
+class LoraConfig:
+    r: int = 0  # LoRA rank; 0 = full fine-tuning. LoRA needs `pip install 'vlmrl[lora]'`; see docs/models.md
+    alpha: float | None = None  # adapter scale is alpha / r; null = 2 * r
+    dropout: float = 0.0
+    target_modules: list[str] | None = None  # names of linear layers to adapt (e.g. [q_proj, v_proj]); null = all
+    include_vision: bool = False  # also adapt the vision tower (default: the language model only)
+
+
+@dataclass
 class ModelConfig:
     name_or_path: str = "tiny"  # "tiny" builds the embedded model; else a hub name or a folder (a checkpoint too)
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -46,6 +55,11 @@ class ModelConfig:
     min_pixels: int | None = None  # pixel budget per image, the same for generation and training
     max_pixels: int | None = None
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)  # RL through adapters; the reference = adapters disabled
+    freeze_vision: bool = False  # full fine-tuning: keep the vision tower's weights fixed
+    freeze_projector: bool = False  # full fine-tuning: keep the vision-to-text projector fixed
+    gradient_checkpointing: bool = False  # recompute decoder activations in backward: less memory, ~30% slower
+    autocast: bool = True  # bf16 autocast of forwards on CUDA (weights stay in `dtype`); CPU always runs `dtype`
 
 
 @dataclass
@@ -54,6 +68,7 @@ class DataConfig:
     train: Any = field(default_factory=lambda: {"task": "shapes_count", "n": 4000})
     sft: Any = field(default_factory=lambda: {"task": "shapes_count", "n": 300})  # labelled warm-start subset
     eval: Any = field(default_factory=lambda: {"task": "shapes_count", "n": 300})  # held-out (split "test")
+    preferences: Any = None  # offline DPO instead of RL: rows {image, prompt, chosen, rejected}, or a built-in task
     seed: int = 0  # data generation seed; kept apart from trainer.seed so every training seed sees the same data
     on_error: Literal["raise", "skip"] = "raise"  # bad rows in user files: stop with the file and line, or skip+count
     prompt_template: str = "{problem}"  # the problem as shown to the model; may add format instructions
@@ -119,6 +134,15 @@ class RewardConfig:
     weight: float = 1.0
     kwargs: dict = field(default_factory=dict)  # options of the reward function (e.g. strict: false)
     label: str | None = None  # metric name, to use one reward twice with different options
+    fn: str | None = None  # another spelling of `name` ({fn: "my_rewards.py:score", weight: 0.5})
+    timeout: float | None = None  # seconds per call when the reward runs in a worker process (default 60)
+    isolate: bool | None = None  # run in a worker process: true/false; null = user rewards yes, built-ins no
+
+    def __post_init__(self):
+        if self.fn is not None:
+            if self.name not in ("accuracy", self.fn):
+                raise ConfigError(f"reward: name {self.name!r} and fn {self.fn!r} disagree; give one of them")
+            self.name = self.fn
 
 
 @dataclass
@@ -139,6 +163,7 @@ class TrainerConfig:
     output_dir: str = "runs/quickstart"  # an existing non-empty folder gets a numbered sibling, never overwritten
     tensorboard: bool = True
     threads: int = 0  # torch CPU threads (0 = torch's default)
+    distributed: Literal["none", "ddp", "fsdp2"] = "none"  # data parallel under torchrun (gloo on CPU, NCCL on GPU)
     wandb_project: str | None = None  # also log to this Weights & Biases project (pip install 'vlmrl[wandb]')
 
 
@@ -151,16 +176,16 @@ class EvalConfig:
     pass_k: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # pass@k reported for each k <= samples
     temperatures: list[float] = field(default_factory=lambda: [0.0, 0.6, 1.0])  # `vlmrl eval`'s temperatures
     reflection_words: list[str] | None = None  # words marking a reflective answer (null = MAYE's list)
-    # the out-of-distribution held-out set for --control/--seeds runs: "auto" = the ood split of data.eval's built-in
-    # tasks (e.g. more objects than training shows), a data spec, or null for none
-    ood: Any = "auto"
+    # OOD sets evaluated by --control/--seeds: "auto" (the ood split of data.eval's tasks), a data spec, {name: spec}
+    # (a task spec may set split: test), or null; see docs/evaluation.md
+    ood: Any = "auto"  # "auto" = the ood split of data.eval's built-in tasks; a spec; {name: spec}; null = none
 
 
 @dataclass
 class ControlConfig:
     # `vlmrl train --control sft`: continued SFT from the RL run's SFT start, on data.sft, for the RL phase's wall time
     lr: float = 3.0e-4  # constant learning rate of the continued SFT (the RL phase's trainer.lr by default)
-    batch_size: int = 16
+    batch_size: int = 16  # labelled samples per control SFT step
     steps: int = 0  # 0 = train for the RL phase's wall time; N = exactly N steps (reproducible, machine-independent)
 
 
@@ -276,29 +301,31 @@ def _looks_numeric(s: str) -> bool:
     return True
 
 
-def _set_dotted(data: dict, path: list[str], value) -> None:
+def _set_dotted(data: dict, path: list[str], value, cls=None) -> None:
     """Apply one command-line override. Keys of typed sections are checked here; inside a free-form value (a data
     spec, reward kwargs) the key is set as given and checked by whatever reads it, still before any model is built."""
     node = data
     for i, part in enumerate(path):
         dotted = ".".join(path[:i])
-        if (i == 0 or _is_section(dotted)) and part not in node:
+        if (i == 0 or _is_section(dotted, cls)) and part not in node:
             raise ConfigError(f"command line: unknown key {'.'.join(path[:i + 1])!r}; allowed keys under "
                               f"{dotted or 'the top'}: {', '.join(node)}")
         if i == len(path) - 1:
             node[part] = value
         elif isinstance(node.get(part), dict):
             node = node[part]
-        elif node.get(part) is None and not _is_section(".".join(path[:i + 1])):
+        elif node.get(part) is None and not _is_section(".".join(path[:i + 1]), cls):
             node[part] = {}
             node = node[part]
         else:
             raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the recipe YAML (if any), then `key=value` overrides; validated as a whole."""
-    data = to_dict(Config())
+def load_config(path: str | Path | None = None, overrides: list[str] = (), cls=None):
+    """Defaults, then the recipe YAML (if any), then `key=value` overrides; validated as a whole. `cls` is the
+    top-level config dataclass (default `Config`; the ReCLIP track passes its own)."""
+    cls = cls or Config
+    data = to_dict(cls())
     if path is not None:
         path = Path(path)
         if not path.exists():
@@ -306,33 +333,33 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Co
         recipe = yaml.safe_load(path.read_text()) or {}
         if not isinstance(recipe, dict):
             raise ConfigError(f"recipe {path}: the top level must be a mapping of sections")
-        _merge(data, recipe, path)
+        _merge(data, recipe, path, cls=cls)
     for text in overrides:
         keys, value = parse_override(text)
-        _set_dotted(data, keys, value)
+        _set_dotted(data, keys, value, cls)
     try:
-        return from_dict(Config, data)
+        return from_dict(cls, data)
     except ConfigError as e:
         where = f"recipe {path}" if path else "config"
         raise ConfigError(f"{where}: {e}") from None
 
 
-def _merge(base: dict, new: dict, source, prefix: str = "") -> None:
+def _merge(base: dict, new: dict, source, prefix: str = "", cls=None) -> None:
     """Recursively merge `new` into `base`. Dataclass sections merge key by key; free-form values are replaced."""
     for key, value in new.items():
         if key not in base:
             section = prefix.rstrip(".") or "the top"
             raise ConfigError(f"{source}: unknown key '{prefix}{key}'; allowed keys under {section}: "
                               f"{', '.join(base)}")
-        if isinstance(value, dict) and isinstance(base[key], dict) and _is_section(prefix + key):
-            _merge(base[key], value, source, prefix + key + ".")
+        if isinstance(value, dict) and isinstance(base[key], dict) and _is_section(prefix + key, cls):
+            _merge(base[key], value, source, prefix + key + ".", cls)
         else:
             base[key] = value
 
 
-def _is_section(dotted: str) -> bool:
+def _is_section(dotted: str, cls=None) -> bool:
     """True where the key is a typed config section (so its keys are validated), not a free-form mapping."""
-    cls = Config
+    cls = cls or Config
     for part in dotted.split("."):
         hints = typing.get_type_hints(cls)
         if part not in hints or not dataclasses.is_dataclass(hints[part]):

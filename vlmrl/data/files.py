@@ -32,7 +32,8 @@ class _RowError(Exception):
 
 
 def load_file(
-    path: str | Path, on_error: str = "raise", image_root: str | Path | None = None
+    path: str | Path, on_error: str = "raise", image_root: str | Path | None = None,
+    required: tuple[str, ...] = ("problem", "solution"),
 ) -> tuple[list[Sample], LoadReport]:
     """Load a data file into samples, dispatching on its suffix (``.jsonl``/``.json``, ``.parquet``) or on a folder
     written by ``datasets.Dataset.save_to_disk``.
@@ -40,6 +41,8 @@ def load_file(
     ``on_error="raise"`` raises DataError at the first bad row; ``"skip"`` skips bad rows and lists each in the report.
     A file with no good row is always an error. Sample ids are the row's ``id`` if it has one, else ``"{path}:{n}"``
     (n: the 1-based line for JSON lines, the 0-based row for parquet and ``datasets``, as in ``table[n]``).
+    ``required`` names the fields every row must have; a ``problem`` or ``solution`` left out of it may be absent and
+    becomes ``""`` (image-caption rows ``{"image", "caption"}`` for ReCLIP pass ``required=("caption",)``).
     """
     if on_error not in ON_ERROR:
         raise DataError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
@@ -58,10 +61,11 @@ def load_file(
             f"{path}: unsupported file type {file.suffix!r}; use .jsonl/.json (JSON lines), .parquet, "
             "or a folder saved with datasets' save_to_disk"
         )
-    return _collect(rows, str(path), file.stem, base, on_error)
+    return _collect(rows, str(path), file.stem, base, on_error, required)
 
 
-def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str) -> tuple[list[Sample], LoadReport]:
+def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str,
+             required: tuple[str, ...] = ("problem", "solution")) -> tuple[list[Sample], LoadReport]:
     """Turn raw rows into samples, raising or skipping-and-counting bad ones; ids must be unique."""
     report = LoadReport(path=path)
     samples: list[Sample] = []
@@ -70,7 +74,7 @@ def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str) -
     for where, default_id, fetch in rows:
         total += 1
         try:
-            sample = _row_to_sample(fetch(), default_id, stem, base)
+            sample = _row_to_sample(fetch(), default_id, stem, base, required)
             if sample["id"] in seen:
                 raise _RowError(f"id {sample['id']!r} already used at {seen[sample['id']]}; ids must be unique")
         except _RowError as error:
@@ -91,16 +95,22 @@ def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str) -
     return samples, report
 
 
-def _row_to_sample(row: Any, default_id: str, stem: str, base: Path) -> Sample:
+def _row_to_sample(row: Any, default_id: str, stem: str, base: Path,
+                   required: tuple[str, ...] = ("problem", "solution")) -> Sample:
     """One raw row (a mapping) to a sample: check fields, normalise the solution, load images, infer answer_type."""
     if not isinstance(row, dict):
         raise _RowError(f'expected a JSON object like {{"problem": ..., "solution": ...}}, got {type(row).__name__}')
-    missing = [key for key in ("problem", "solution") if row.get(key) is None]
+    if row.get("problem") is None and isinstance(row.get("prompt"), str) and row.get("chosen") is not None:
+        # a preference row {image, prompt, chosen, rejected} (offline DPO): the prompt is the problem and the
+        # preferred answer its solution; "chosen" and "rejected" pass through as columns
+        row = {**row, "problem": row["prompt"], "solution": row.get("solution", row["chosen"])}
+    missing = [key for key in required if row.get(key) is None]
     if missing:
         raise _RowError(
             f"missing field {' and '.join(repr(k) for k in missing)} (fields present: {sorted(row)}); "
-            "every row needs 'problem' and 'solution'"
+            f"every row needs {' and '.join(repr(k) for k in required)}"
         )
+    row = {**row, **{key: "" for key in ("problem", "solution") if row.get(key) is None}}  # optional here
     if not isinstance(row["problem"], str):
         raise _RowError(f"'problem' must be a string, got {type(row['problem']).__name__}")
     solution = _solution_text(row["solution"])

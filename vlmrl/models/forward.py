@@ -7,7 +7,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from vlmrl.models.qwen_vl import PromptBatch, PromptEmbeds
+from vlmrl.models.batch import PromptBatch, PromptEmbeds
 
 
 def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
@@ -33,17 +33,16 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
                         with_hidden: bool = False) -> CompletionOutput:
     """Per-token log-probs [N, T] of `completion_ids` after each (already group-expanded) prompt row.
 
-    Completion tokens continue the prompt's M-RoPE positions, exactly as during generation; logits are divided by
-    the sampling temperature (temperature 0 = greedy counts as 1). Padding positions hold 0. The entropy is
+    Completion tokens continue the prompt's positions (M-RoPE or 1-D), exactly as during generation, and the
+    family's prompt extras (Qwen3-VL deepstack, Gemma 3 image-block attention) apply as in the prefill; logits are
+    divided by the sampling temperature (temperature 0 = greedy counts as 1). Padding positions hold 0. The entropy is
     detached unless `entropy_grad` (an entropy bonus needs its gradient).
     """
     n, t = completion_ids.shape
     embeds = torch.cat([prompt.embeds, family.embed_tokens(completion_ids)], dim=1)
     mask = torch.cat([prompt.attention_mask, completion_mask.to(prompt.attention_mask.dtype)], dim=1)
-    offsets = torch.arange(t, device=embeds.device)
-    completion_pos = (prompt.next_position[:, None] + offsets).unsqueeze(0).expand(3, n, t)
-    positions = torch.cat([prompt.position_ids, completion_pos], dim=2)
-    hidden = family.forward_hidden(embeds, mask, positions)
+    positions = torch.cat([prompt.position_ids, prompt.completion_positions(0, t)], dim=2)
+    hidden = family.forward_hidden(embeds, mask, positions, extras=prompt.extras)
     length = prompt.embeds.shape[1]
     hidden = hidden[:, length - 1: length + t - 1]
     logits = family.lm_head(hidden)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from vlmrl.config import TinyModelConfig
+from vlmrl.models.families.qwen_vl import CHAT_TEMPLATE  # Qwen's format, so `apply_chat_template` works on it
 
 # Qwen2-VL's special tokens, in Qwen's order; the tiny tokenizer keeps the names so prompts look like Qwen prompts.
 SPECIAL_TOKENS = [
@@ -25,44 +26,41 @@ SPECIAL_TOKENS = [
     "<|image_pad|>",
     "<|video_pad|>",
 ]
-# A minimal Qwen-style chat template (image placeholders inline), so `apply_chat_template` works on the tiny model.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
-    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
-    """A byte-level BPE trained on `texts`, wrapped as a `PreTrainedTokenizerFast` with Qwen's special tokens."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, special_tokens: list[str] | None = None,
+                    eos_token: str = "<|im_end|>", pad_token: str = "<|endoftext|>", bos_token: str | None = None,
+                    chat_template: str = CHAT_TEMPLATE):
+    """A byte-level BPE trained on `texts`, wrapped as a `PreTrainedTokenizerFast`; special tokens default to
+    Qwen's (other families pass theirs, see `vlmrl.models.tiny_families`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
+    specials = special_tokens or SPECIAL_TOKENS
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=specials,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     # The answer/think tags and the chat scaffolding are part of every sequence: include them in the corpus.
     scaffold = ["<think>", "</think>", "<answer>", "</answer>", "user\n", "assistant\n", "system\n"]
     tok.train_from_iterator(list(texts) + scaffold * 50, trainer=trainer)
+    extra = {"bos_token": bos_token} if bos_token else {}
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[1:],
+        eos_token=eos_token,
+        pad_token=pad_token,
+        additional_special_tokens=[t for t in specials if t not in (pad_token, bos_token)],
         padding_side="left",
+        **extra,
     )
     # Answer and reasoning tags as single tokens: short answers, and a format the tiny model learns in few steps.
     fast.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 

@@ -1,10 +1,19 @@
 """Rewards: verifiable reward functions, the registry, and safe weighted composition (the "score" stage).
 
-Importing this package registers the built-in rewards: accuracy, format, iou, giou, counting, length.
+Importing this package registers the built-in rewards: accuracy, format, counting, length (verifiable.py); iou, giou,
+detection (boxes.py); classification (classification.py); keywords, process (reasoning.py); judge (judge.py).
 """
 
+from vlmrl.rewards.boxes import box_giou, box_iou, detection_reward, giou_reward, iou_reward
+from vlmrl.rewards.classification import classification_reward
+from vlmrl.rewards.judge import Feedback, JudgeClient, parse_feedback
+from vlmrl.rewards.judge_reward import judge_reward
+from vlmrl.rewards.reasoning import keywords_reward, process_reward
 from vlmrl.rewards.registry import (
     REWARDS,
+    FatalRewardError,
+    RewardBatch,
+    RewardFailure,
     RewardFn,
     RewardOutput,
     RewardSpec,
@@ -15,17 +24,18 @@ from vlmrl.rewards.registry import (
 )
 from vlmrl.rewards.verifiable import (
     accuracy_reward,
-    box_giou,
-    box_iou,
     counting_reward,
     format_reward,
-    giou_reward,
-    iou_reward,
     length_penalty,
 )
 
 __all__ = [
     "REWARDS",
+    "FatalRewardError",
+    "Feedback",
+    "JudgeClient",
+    "RewardBatch",
+    "RewardFailure",
     "RewardFn",
     "RewardOutput",
     "RewardSpec",
@@ -33,12 +43,18 @@ __all__ = [
     "box_giou",
     "box_iou",
     "call_reward",
+    "classification_reward",
     "compute_rewards",
     "counting_reward",
+    "detection_reward",
     "format_reward",
     "giou_reward",
     "iou_reward",
+    "judge_reward",
+    "keywords_reward",
     "length_penalty",
+    "parse_feedback",
+    "process_reward",
     "register_reward",
     "resolve_reward",
 ]

@@ -11,9 +11,16 @@ sample". Adding a reward is a function and a decorator:
     @register_reward("my_reward")
     def my_reward(completions, solution, **_): ...
 
-`compute_rewards` calls each reward once per batch and never lets one crash the loop: an exception or a return of
-the wrong length makes that component None for every sample, a NaN/inf/non-number makes that sample's value None,
-and each lost value is counted in `RewardOutput.failures`.
+`compute_rewards` calls each reward once per batch and never lets one crash the loop: an exception, a timeout or a
+return of the wrong length makes that component None for every sample, a NaN/inf/non-number or a `RewardFailure`
+makes that sample's value None, and each lost value is counted in `RewardOutput.failures`. Only `FatalRewardError`
+(e.g. a judge whose API key is refused) stops training, with its message.
+
+Where a reward runs: user rewards (anything not marked `register_reward(..., inline=True)`) run in a worker process
+(`vlmrl.rewards.safe`) under `RewardSpec.timeout`, so a hang costs one batch of that component, never the run. The
+built-ins are written to run in bounded time (linear parsers; the symbolic math check goes to its own worker pool
+with a per-expression limit; the judge bounds its own HTTP calls) and run in the trainer's process, which saves
+the pickling of the batch. `RewardSpec.isolate` overrides either choice.
 """
 
 from __future__ import annotations
@@ -21,30 +28,76 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import os
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch is imported where a tensor is built, so reward worker processes start fast
+    import torch
+
+    from vlmrl.rewards.safe import WorkerPool
 
 RewardFn = Callable[..., Sequence[Any]]
 
 REWARDS: dict[str, RewardFn] = {}
+DEFAULT_TIMEOUT = 60.0  # seconds per isolated reward call (one batch), when RewardSpec.timeout is not set
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
+class FatalRewardError(RuntimeError):
+    """A reward error that must stop training instead of becoming a counted failure (e.g. the judge's API key is
+    refused: every later call would fail the same way)."""
+
+
+class RewardFailure(float):
+    """A per-sample failure a reward can return in place of a value: it counts as None plus one failure, with
+    `reason` reported in `RewardOutput.errors`. It is a float NaN, so code that does not know it sees a NaN."""
+
+    reason: str
+
+    def __new__(cls, reason: str) -> RewardFailure:
+        obj = super().__new__(cls, float("nan"))
+        obj.reason = reason
+        return obj
+
+    def __reduce__(self) -> tuple:
+        return (RewardFailure, (self.reason,))
+
+    def __repr__(self) -> str:
+        return f"RewardFailure({self.reason!r})"
+
+
+class RewardBatch(list):
+    """A reward's return value with extras: the per-sample values (the list itself), `metrics` (logged as
+    reward/{component}/{name}, e.g. the judge's retries and cache hits) and `details` (one entry per sample,
+    e.g. the judge's raw feedback, shown by `vlmrl inspect-reward`)."""
+
+    def __init__(self, values: Sequence[Any], metrics: dict[str, float] | None = None,
+                 details: list[Any] | None = None):
+        super().__init__(values)
+        self.metrics = dict(metrics or {})
+        self.details = details
+
+
+def register_reward(name: str, *, inline: bool = False) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register `fn` under `name` in REWARDS. Re-registering the same function (a module reload) is
-    allowed; a different function under a taken name is a ValueError."""
+    allowed; a different function under a taken name is a ValueError.
+
+    inline=True vouches that `fn` returns in bounded time (no unbounded loops, no blocking call without its own
+    time limit), so it may run in the trainer's process without a worker (see the module docstring)."""
 
     def decorator(fn: RewardFn) -> RewardFn:
         existing = REWARDS.get(name)
         if existing is not None and _qualname(existing) != _qualname(fn):
             raise ValueError(f"reward {name!r} is already registered by {_qualname(existing)}")
         REWARDS[name] = fn
+        if inline:
+            fn.__vlmrl_inline__ = True  # type: ignore[attr-defined]
         return fn
 
     return decorator
@@ -111,10 +164,18 @@ class RewardSpec:
     weight: float = 1.0
     kwargs: dict[str, Any] = field(default_factory=dict)
     label: str | None = None
+    timeout: float | None = None  # seconds per call in a worker (default DEFAULT_TIMEOUT)
+    isolate: bool | None = None  # True: worker process; False: trainer's process; None: built-ins inline, others not
 
     @property
     def key(self) -> str:
         return self.label or self.name
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> RewardSpec:
+        """A spec from a recipe's reward entry (`vlmrl.config.RewardConfig` or any object with its fields)."""
+        return cls(cfg.name, cfg.weight, dict(cfg.kwargs), cfg.label, getattr(cfg, "timeout", None),
+                   getattr(cfg, "isolate", None))
 
 
 @dataclass
@@ -134,11 +195,38 @@ class RewardOutput:
     failures: dict[str, int]
     no_reward: int
     errors: dict[str, str] = field(default_factory=dict)
+    extra: dict[str, dict[str, float]] = field(default_factory=dict)  # per component: RewardBatch.metrics
+    details: dict[str, list[Any]] = field(default_factory=dict)  # per component: RewardBatch.details
+    seconds: dict[str, float] = field(default_factory=dict)  # per component: wall time of its call
+
+    def select(self, rows: list[int]) -> RewardOutput:
+        """The samples at `rows` (e.g. the groups dynamic sampling keeps); call-level counters are kept as they are."""
+        return RewardOutput(self.total[rows], {k: [v[i] for i in rows] for k, v in self.components.items()},
+                            self.failures, self.no_reward, self.errors, self.extra,
+                            {k: [v[i] for i in rows] for k, v in self.details.items()}, self.seconds)
+
+    @staticmethod
+    def concat(outputs: list[RewardOutput]) -> RewardOutput:
+        """Several batches' scores as one; failure counts, reported counters and seconds are summed."""
+        first = outputs[0]
+
+        def summed(attr):
+            return {k: sum(getattr(o, attr).get(k, 0) for o in outputs) for k in getattr(first, attr)}
+
+        return RewardOutput(torch.cat([o.total for o in outputs]),
+                            {k: [v for o in outputs for v in o.components[k]] for k in first.components},
+                            summed("failures"), sum(o.no_reward for o in outputs),
+                            {k: v for o in outputs for k, v in o.errors.items()},
+                            {k: {n: sum(o.extra.get(k, {}).get(n, 0.0) for o in outputs) for n in first.extra[k]}
+                             for k in first.extra},
+                            {k: [v for o in outputs for v in o.details.get(k, [])] for k in first.details},
+                            summed("seconds"))
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics: reward/{key}/mean, /std (population std over non-None values; 0.0 when there are none),
-        /count (non-None values), /failures; reward/total/mean and /std over all samples; reward/failure_rate
-        (failed values / (N * components)); reward/no_reward."""
+        /count (non-None values), /failures, plus any reward/{key}/{name} the reward reported in a RewardBatch;
+        reward/total/mean and /std over all samples; reward/failure_rate (failed values / (N * components));
+        reward/no_reward; time/reward/{key} (seconds)."""
         out: dict[str, float] = {}
         for key, values in self.components.items():
             present = [v for v in values if v is not None]
@@ -147,6 +235,9 @@ class RewardOutput:
             out[f"reward/{key}/std"] = std
             out[f"reward/{key}/count"] = float(len(present))
             out[f"reward/{key}/failures"] = float(self.failures.get(key, 0))
+            out.update({f"reward/{key}/{name}": float(v) for name, v in self.extra.get(key, {}).items()})
+            if key in self.seconds:
+                out[f"time/reward/{key}"] = self.seconds[key]
         mean, std = _mean_std(self.total.tolist())
         out["reward/total/mean"] = mean
         out["reward/total/std"] = std
@@ -174,35 +265,108 @@ def _as_score(value: Any) -> float | None:
     return score if math.isfinite(score) else None
 
 
-def call_reward(
-    fn: RewardFn, completions: list[str], kwargs: dict[str, Any]
-) -> tuple[list[float | None], int, str | None]:
-    """Call one reward safely: (values, failed count, first error message or None). Never raises on the reward's
-    behalf (KeyboardInterrupt and other BaseExceptions still propagate)."""
-    n = len(completions)
+@dataclass
+class _Scored:
+    values: list[float | None]
+    failed: int
+    error: str | None
+    metrics: dict[str, float] = field(default_factory=dict)
+    details: list[Any] | None = None
+
+
+def _score_values(raw: Any, n: int) -> _Scored:
+    """Check a reward's return value: n finite numbers or None; RewardFailure and invalid values are failures."""
     try:
-        raw = list(fn(completions, **kwargs))
-    except Exception as exc:  # a broken reward must not crash the loop: counted, reported in `errors`
-        return [None] * n, n, f"{type(exc).__name__}: {exc}"
-    if len(raw) != n:
-        return [None] * n, n, f"returned {len(raw)} values for {n} completions"
+        values_in = list(raw)
+    except TypeError:
+        return _Scored([None] * n, n, f"returned {type(raw).__name__}, expected a list of {n} values")
+    if len(values_in) != n:
+        return _Scored([None] * n, n, f"returned {len(values_in)} values for {n} completions")
     values: list[float | None] = []
     failed, error = 0, None
-    for i, value in enumerate(raw):
+    for i, value in enumerate(values_in):
+        if isinstance(value, RewardFailure):
+            failed += 1
+            error = error or f"sample {i}: {value.reason}"
+            values.append(None)
+            continue
         score = None if value is None else _as_score(value)
         if value is not None and score is None:
             failed += 1
             error = error or f"sample {i}: invalid value {value!r} (expected a finite number or None)"
         values.append(score)
-    return values, failed, error
+    metrics = getattr(raw, "metrics", None) if isinstance(raw, RewardBatch) else None
+    details = getattr(raw, "details", None) if isinstance(raw, RewardBatch) else None
+    return _Scored(values, failed, error, dict(metrics or {}), list(details) if details is not None else None)
 
 
-def compute_rewards(specs: Sequence[RewardSpec], completions: list[str], columns: dict[str, list]) -> RewardOutput:
-    """Score a batch: each spec's function is called once with `completions`, `**columns` and `**spec.kwargs`.
+def _call_inline(fn: RewardFn, completions: list[str], kwargs: dict[str, Any]) -> _Scored:
+    from vlmrl.rewards.safe import call_maybe_async
+
+    n = len(completions)
+    try:
+        raw = call_maybe_async(fn, completions, **kwargs)
+    except FatalRewardError:
+        raise
+    except Exception as exc:  # a broken reward must not crash the loop: counted, reported in `errors`
+        return _Scored([None] * n, n, f"{type(exc).__name__}: {exc}")
+    return _score_values(raw, n)
+
+
+def call_reward(
+    fn: RewardFn, completions: list[str], kwargs: dict[str, Any]
+) -> tuple[list[float | None], int, str | None]:
+    """Call one reward safely in this process: (values, failed count, first error message or None). Never raises on
+    the reward's behalf, except FatalRewardError (KeyboardInterrupt and other BaseExceptions still propagate).
+    An `async def` reward is awaited."""
+    scored = _call_inline(fn, completions, kwargs)
+    return scored.values, scored.failed, scored.error
+
+
+def wants_images(fn: RewardFn) -> bool:
+    """True when `fn` names an `images` parameter. Only such rewards receive the `images` column: images are
+    large, most rewards never look at them, and a worker process would otherwise pay to unpickle them."""
+    try:
+        return "images" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def reward_ref(fn: RewardFn) -> str | None:
+    """A name a worker process can resolve back to `fn` ("module:function" or "/abs/file.py:function"), or None
+    for a function it cannot import (a closure, a lambda, a function of `__main__`)."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if not module or module == "__main__" or not qualname.isidentifier():
+        return None
+    if module.startswith("vlmrl_user_reward_"):
+        path = getattr(sys.modules.get(module), "__file__", None)
+        return f"{path}:{qualname}" if path else None
+    return f"{module}:{qualname}"
+
+
+def _placement(spec: RewardSpec, fn: RewardFn) -> str | None:
+    """The worker reference to run `spec` with, or None to run it in this process."""
+    inline = spec.isolate is False or (spec.isolate is None and getattr(fn, "__vlmrl_inline__", False))
+    if inline:
+        return None
+    ref = reward_ref(fn)
+    if ref is None and spec.isolate:
+        raise ValueError(f"reward {spec.key!r}: isolate=true needs a function a worker can import (a module-level "
+                         f"function in a file or package), not {_qualname(fn)}")
+    return ref
+
+
+def compute_rewards(
+    specs: Sequence[RewardSpec], completions: list[str], columns: dict[str, list], pool: WorkerPool | None = None
+) -> RewardOutput:
+    """Score a batch: each spec's function is called once with `completions`, `**columns` and `**spec.kwargs`
+    (`images` only for rewards that name it, see `wants_images`), in a worker process or in this one (see the
+    module docstring; `pool` defaults to the process-wide "rewards" pool).
 
     total[i] = sum_k weight_k * value_k[i] over components k whose value is not None; 0.0 (and counted in
     `no_reward`) when there is none. Configuration errors raise before any reward runs: an unknown name
-    (ValueError listing REWARDS), two specs with the same key, or a spec kwarg that shadows a dataset column."""
+    (ValueError listing REWARDS), two specs with the same key, or a spec kwarg that shadows a dataset column.
+    FatalRewardError propagates."""
     resolved = [(spec, resolve_reward(spec.name)) for spec in specs]
     keys = [spec.key for spec in specs]
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
@@ -214,24 +378,47 @@ def compute_rewards(specs: Sequence[RewardSpec], completions: list[str], columns
             raise ValueError(f"reward {spec.key!r}: kwargs {clash} shadow dataset columns of the same name")
 
     n = len(completions)
+    plans = []
+    for spec, fn in resolved:
+        cols = columns if wants_images(fn) else {k: v for k, v in columns.items() if k != "images"}
+        plans.append((spec, fn, {**cols, **spec.kwargs}, _placement(spec, fn)))
+    scored: dict[str, _Scored] = {}
+    seconds: dict[str, float] = {}
+    isolated = [(spec, kwargs, ref) for spec, _, kwargs, ref in plans if ref is not None]
+    if isolated:
+        from vlmrl.rewards.safe import Job, get_pool
+
+        jobs = [Job(ref, (completions,), kwargs, spec.timeout or DEFAULT_TIMEOUT) for spec, kwargs, ref in isolated]
+        for (spec, _, _), outcome in zip(isolated, (pool or get_pool("rewards")).run(jobs), strict=True):
+            if outcome.fatal:
+                raise FatalRewardError(f"reward {spec.key!r}: {outcome.error}")
+            ok = _score_values(outcome.value, n) if outcome.ok else _Scored([None] * n, n, outcome.error)
+            scored[spec.key], seconds[spec.key] = ok, outcome.seconds
+    for spec, fn, kwargs, ref in plans:
+        if ref is None:
+            start = time.perf_counter()
+            scored[spec.key] = _call_inline(fn, completions, kwargs)
+            seconds[spec.key] = time.perf_counter() - start
+
     totals = [0.0] * n
     has_reward = [False] * n
-    components: dict[str, list[float | None]] = {}
-    failures: dict[str, int] = {}
-    errors: dict[str, str] = {}
-    for spec, fn in resolved:
-        values, failed, error = call_reward(fn, completions, {**columns, **spec.kwargs})
-        components[spec.key], failures[spec.key] = values, failed
-        if error is not None:
-            errors[spec.key] = error
-        for i, value in enumerate(values):
+    out = RewardOutput(total=None, components={}, failures={}, no_reward=0)  # type: ignore[arg-type]
+    for spec in specs:
+        result = scored[spec.key]
+        out.components[spec.key], out.failures[spec.key] = result.values, result.failed
+        out.seconds[spec.key] = seconds[spec.key]
+        if result.error is not None:
+            out.errors[spec.key] = result.error
+        if result.metrics:
+            out.extra[spec.key] = result.metrics
+        if result.details is not None:
+            out.details[spec.key] = result.details
+        for i, value in enumerate(result.values):
             if value is not None:
                 totals[i] += spec.weight * value
                 has_reward[i] = True
-    return RewardOutput(
-        total=torch.tensor(totals, dtype=torch.float32),
-        components=components,
-        failures=failures,
-        no_reward=has_reward.count(False),
-        errors=errors,
-    )
+    import torch
+
+    out.total = torch.tensor(totals, dtype=torch.float32)
+    out.no_reward = has_reward.count(False)
+    return out

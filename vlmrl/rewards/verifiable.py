@@ -1,4 +1,7 @@
-"""Verifiable rewards: accuracy, format, IoU/GIoU, counting, overlong length penalty.
+"""Verifiable rewards: accuracy (numbers, text, math, multiple choice), format, counting, length penalty.
+
+Box rewards (iou, giou, detection) are in `boxes.py`; classification in `classification.py`; keywords and the
+process-reward hook in `reasoning.py`.
 
 Each reward follows TRL's contract `(completions, **columns) -> list[float | None]`, accepts and ignores unknown
 columns, and returns None for samples it does not apply to. Each docstring says what it pays and which exploit
@@ -7,30 +10,27 @@ it closes: the policy is an optimiser, and it finds whatever a lenient parser pa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import re
+from collections.abc import Sequence
 from typing import Any
 
 from vlmrl.rewards.parsing import (
     EXTRACT_MODES,
-    Box,
-    box_is_valid,
-    boxes_from_json,
     completion_text,
     extract_answer,
-    extract_tag,
     match_answer_block,
     normalize_text,
     numbers_equal,
-    parse_boxes,
     parse_number,
-    strip_think,
 )
-from vlmrl.rewards.registry import register_reward
+from vlmrl.rewards.registry import RewardFailure, register_reward
 
-ANSWER_TYPES = ("number", "text", "box")
+ANSWER_TYPES = ("number", "text", "box", "math", "choice")
+_MATH_HINT = re.compile(r"\\[A-Za-z]+|\^|sqrt\(")
+_EXPRESSION = re.compile(r"[0-9A-Za-z\s+\-*/().]+")
 
 
-def _per_sample(value: Any, n: int, default: Any) -> list[Any]:
+def per_sample(value: Any, n: int, default: Any) -> list[Any]:
     """A column as n values: missing -> `default` repeated; a scalar (e.g. set once in RewardSpec.kwargs) -> repeated."""
     if value is None:
         return [default] * n
@@ -62,11 +62,40 @@ def _select_answer(completion: str, truncated: bool, extract: str, strict: bool)
 
 
 def _infer_answer_type(solution: Any) -> str:
-    first = solution[0] if isinstance(solution, (list, tuple)) and solution else solution
-    return "number" if parse_number(str(first), exact=True) is not None else "text"
+    """number if the solution is one number; math if it is an expression (LaTeX, `^`, or digits with operators,
+    like "x+1" or "2*pi"); else text. Text stays text: "ab" is not the product a*b."""
+    first = str(solution[0] if isinstance(solution, (list, tuple)) and solution else solution)
+    if parse_number(first, exact=True) is not None:
+        return "number"
+    expression = _EXPRESSION.fullmatch(first) and re.search(r"\d", first) and re.search(r"[+\-*/]", first)
+    return "math" if _MATH_HINT.search(first) or expression else "text"
 
 
-@register_reward("accuracy")
+def _options(value: Any) -> list[str] | None:
+    """Multiple-choice options of a sample: a list (letters A, B, C... by position) or a {letter: text} mapping."""
+    if isinstance(value, dict):
+        return [str(value[k]) for k in sorted(value)] if value else None
+    if isinstance(value, (list, tuple)) and value:
+        return [str(v) for v in value]
+    return None
+
+
+def choice_index(answer: str, options: list[str]) -> int | None:
+    """The option an answer picks, by letter ("B", "(B)", "B.", "B) blue") or by option text ("blue"), or None.
+
+    Exactly one option may be named: "B, C", "B or C" and a letter whose text contradicts its option ("B. red"
+    when B is blue) pick nothing; an option text that several options share picks nothing."""
+    letters = [chr(ord("A") + i) for i in range(len(options))]
+    marked = re.fullmatch(r"\(?([A-Za-z])\)?(?:\s*[.:)]\s*(.*))?", answer.strip(), flags=re.S)
+    if marked and marked.group(1).upper() in letters:
+        index, rest = letters.index(marked.group(1).upper()), marked.group(2)
+        return index if not rest or normalize_text(rest) == normalize_text(options[index]) else None
+    norm = normalize_text(answer)
+    hits = [i for i, option in enumerate(options) if norm and normalize_text(option) == norm]
+    return hits[0] if len(hits) == 1 else None
+
+
+@register_reward("accuracy", inline=True)
 def accuracy_reward(
     completions: list[str],
     solution: list[Any],
@@ -75,6 +104,11 @@ def accuracy_reward(
     extract: str = "tag",
     strict: bool = True,
     tolerance: float = 1e-6,
+    symbolic: bool = True,
+    math_timeout: float = 2.0,
+    math_budget: float = 30.0,
+    options: list[Any] | None = None,
+    choices: list[Any] | None = None,
     completion_truncated: list[bool] | None = None,
     **_: Any,
 ) -> list[float | None]:
@@ -82,11 +116,18 @@ def accuracy_reward(
 
     Extraction (`extract`): "tag" = the LAST `<answer>...</answer>` outside `<think>` blocks (a draft answer in the
     reasoning does not count), "boxed" = the last `\\boxed{}`, "last_line", "auto" = tag, then boxed, then last line.
-    Comparison by answer_type (inferred from the solution when the column is absent: number if it parses as one):
+    Comparison by answer_type (inferred from the solution when the column is absent: number if it parses as one,
+    math if it is an expression such as "x+1" or "\\frac{1}{2}", else text):
     - number: numeric equality within `tolerance` (relative or absolute); parses ints, floats, fractions "3/4",
       "1,000", non-ASCII digits ('٣', '３') and a number with unit text around it. The answer must hold exactly
       one number, so "3 or 4" pays nothing.
     - text: exact match after `normalize_text` ("The Red." == "red").
+    - math: text match, then numeric equality, then (symbolic=True) sympy equivalence in a worker process
+      (`mathcheck`), `math_timeout` seconds per expression and `math_budget` per batch; a check that runs out of
+      time gives None plus a counted failure, never a silent 0 for the batch.
+    - choice, or any sample with an `options`/`choices` column: multiple choice; the answer names one option by
+      letter or by text (`choice_index`), and pays when it is the solution's option (the solution is a letter or
+      an option's text).
     A `solution` that is a list pays when any element matches. An empty answer pays 0. A solution that does not
     parse as its answer_type gives None (fix the data).
     strict (default True): the completion must be exactly an optional think block then one answer block, with only
@@ -94,11 +135,16 @@ def accuracy_reward(
     parser the policy stopped emitting its end token and wrote `<answer>5</answer></answer></answer>`.
     """
     n = len(completions)
-    kinds = _per_sample(answer_type, n, None)
-    truncated = _per_sample(completion_truncated, n, False)
-    scores: list[float | None] = []
-    for completion, sol, kind, trunc in zip(completions, solution, kinds, truncated, strict=True):
-        kind = kind or _infer_answer_type(sol)
+    kinds = per_sample(answer_type, n, None)
+    truncated = per_sample(completion_truncated, n, False)
+    option_lists = per_sample(options if options is not None else choices, n, None)
+    scores: list[Any] = []
+    symbolic_jobs: list[tuple[int, list[tuple[str, str]]]] = []
+    for i, (completion, sol, kind, trunc, opts) in enumerate(
+        zip(completions, solution, kinds, truncated, option_lists, strict=True)
+    ):
+        opts = _options(opts)
+        kind = "choice" if opts and kind in (None, "text", "choice") else kind or _infer_answer_type(sol)
         if kind not in ANSWER_TYPES:
             raise ValueError(f"answer_type={kind!r}: expected one of {ANSWER_TYPES}")
         if kind == "box":
@@ -106,19 +152,42 @@ def accuracy_reward(
             continue
         targets = sol if isinstance(sol, (list, tuple)) else [sol]
         answer = _select_answer(completion_text(completion), bool(trunc), extract, strict)
-        if kind == "number":
+        if kind == "choice":
+            gold = {choice_index(str(t), opts) for t in targets} - {None} if opts else set()
+            pick = choice_index(answer, opts) if answer and opts else None
+            scores.append(float(pick in gold) if gold else None)
+        elif kind == "number":
             values = [v for v in (parse_number(str(t)) for t in targets) if v is not None]
             pred = parse_number(answer) if answer else None
             ok = pred is not None and any(numbers_equal(pred, v, tolerance) for v in values)
+            scores.append(None if not values else float(ok))
         else:
             values = [v for v in (normalize_text(str(t)) for t in targets) if v]
             pred = normalize_text(answer) if answer else None
             ok = bool(pred) and pred in values
-        scores.append(None if not values else float(ok))
+            if kind == "math" and not ok and pred:
+                pred_number = parse_number(answer, exact=True)
+                numbers = [parse_number(str(t), exact=True) for t in targets]
+                ok = pred_number is not None and any(v is not None and numbers_equal(pred_number, v, tolerance)
+                                                     for v in numbers)
+                if not ok and symbolic:
+                    symbolic_jobs.append((i, [(answer, str(t)) for t in targets]))
+            scores.append(None if not values else float(ok))
+    if symbolic_jobs:
+        from vlmrl.rewards.mathcheck import symbolic_equal_many
+
+        pairs = [pair for _, job in symbolic_jobs for pair in job]
+        results = iter(symbolic_equal_many(pairs, math_timeout, math_budget, tolerance))
+        for i, job in symbolic_jobs:
+            verdicts = [next(results) for _ in job]
+            if any(v is True for v in verdicts):
+                scores[i] = 1.0
+            elif any(isinstance(v, RewardFailure) for v in verdicts):
+                scores[i] = next(v for v in verdicts if isinstance(v, RewardFailure))
     return scores
 
 
-@register_reward("format")
+@register_reward("format", inline=True)
 def format_reward(
     completions: list[str],
     *,
@@ -138,7 +207,7 @@ def format_reward(
     """
     if isinstance(tags, str) or len(tags) != 2:
         raise ValueError(f"tags={tags!r}: expected (think_tag, answer_tag)")
-    truncated = _per_sample(completion_truncated, len(completions), False)
+    truncated = per_sample(completion_truncated, len(completions), False)
     scores: list[float | None] = []
     for completion, trunc in zip(completions, truncated, strict=True):
         content = None if trunc else match_answer_block(completion_text(completion), think, tuple(tags), strict)
@@ -146,116 +215,7 @@ def format_reward(
     return scores
 
 
-def box_iou(a: Box, b: Box) -> float:
-    """Intersection over union of two valid boxes (x1, y1, x2, y2), areas as (x2 - x1) * (y2 - y1)."""
-    iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = iw * ih
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    return inter / union if union > 0 else 0.0
-
-
-def box_giou(a: Box, b: Box) -> float:
-    """Generalised IoU in [-1, 1]: IoU - (C - U) / C, C the area of the smallest box enclosing both, U the union."""
-    iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
-    ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
-    inter = iw * ih
-    union = (a[2] - a[0]) * (a[3] - a[1]) + (b[2] - b[0]) * (b[3] - b[1]) - inter
-    enclosing = (max(a[2], b[2]) - min(a[0], b[0])) * (max(a[3], b[3]) - min(a[1], b[1]))
-    if union <= 0 or enclosing <= 0:
-        return -1.0
-    return inter / union - (enclosing - union) / enclosing
-
-
-def _solution_box(solution: Any, coords: str, width: float | None, height: float | None) -> Box | None:
-    boxes = parse_boxes(solution, width, height, coords) if isinstance(solution, str) else boxes_from_json(solution)
-    if len(boxes) != 1 or not box_is_valid(boxes[0], width, height, coords):
-        return None
-    return boxes[0]
-
-
-def _box_scores(
-    metric: Callable[[Box, Box], float], completions: list[str], solution: list[Any], columns: dict[str, Any]
-) -> list[float | None]:
-    coords = columns["coords"]
-    threshold, strict = columns["threshold"], columns["strict"]
-    n = len(completions)
-    kinds = _per_sample(columns.get("answer_type"), n, "box")
-    widths = _per_sample(columns.get("width"), n, None)
-    heights = _per_sample(columns.get("height"), n, None)
-    truncated = _per_sample(columns.get("completion_truncated"), n, False)
-    scores: list[float | None] = []
-    for completion, sol, kind, w, h, trunc in zip(
-        completions, solution, kinds, widths, heights, truncated, strict=True
-    ):
-        w = float(w) if w else None
-        h = float(h) if h else None
-        target = _solution_box(sol, coords, w, h) if kind == "box" else None
-        if target is None:
-            scores.append(None)
-            continue
-        text = completion_text(completion)
-        if strict:
-            answer = None if trunc else match_answer_block(text, think=None)
-        else:
-            answer = extract_tag(text)
-            answer = strip_think(text) if answer is None else answer
-        boxes = parse_boxes(answer, w, h, coords) if answer else []
-        if len(boxes) != 1 or not box_is_valid(boxes[0], w, h, coords):
-            scores.append(0.0)
-            continue
-        score = metric(boxes[0], target)
-        scores.append(score if threshold is None else float(score >= threshold))
-    return scores
-
-
-@register_reward("iou")
-def iou_reward(
-    completions: list[str],
-    solution: list[Any],
-    *,
-    coords: str = "absolute",
-    threshold: float | None = None,
-    strict: bool = False,
-    **columns: Any,
-) -> list[float | None]:
-    """IoU in [0, 1] between the predicted box and the solution box, for answer_type "box" (else None; all samples
-    are boxes when the column is absent).
-
-    The prediction is parsed (`parse_boxes`) from the answer tag's content, falling back to the whole completion
-    outside think blocks: `[x1, y1, x2, y2]`, `(x1,y1),(x2,y2)`, JSON with `bbox_2d`/`Position`, or Qwen2-VL's
-    `<|box_start|>(x1,y1),(x2,y2)<|box_end|>` on its 0..1000 grid (converted with the `width`/`height` columns).
-    `coords`: "absolute" (pixels) or "normalized" (0..1 fractions), for prediction and solution alike.
-    Pays 0 unless exactly ONE box is given, so listing many boxes cannot cover the target; pays 0 for an invalid
-    box: inverted or empty (x2 <= x1 or y2 <= y1), NaN/inf, or outside the image by more than 1 px (a huge box
-    would otherwise always overlap). `threshold`: pay 1.0 when IoU >= threshold, else 0.0. `strict`: require the
-    answer-block format and no truncation, as in `accuracy`. A solution that is not one valid box gives None.
-    """
-    return _box_scores(box_iou, completions, solution, dict(columns, coords=coords, threshold=threshold, strict=strict))
-
-
-@register_reward("giou")
-def giou_reward(
-    completions: list[str],
-    solution: list[Any],
-    *,
-    coords: str = "absolute",
-    threshold: float | None = None,
-    strict: bool = False,
-    **columns: Any,
-) -> list[float | None]:
-    """Generalised IoU mapped to [0, 1] as (GIoU + 1) / 2; otherwise exactly like `iou` (same parsing, options and
-    zero for missing, several or invalid boxes). Unlike IoU it still ranks disjoint boxes by how far apart they
-    are, which gives a gradient before the first overlap; an invalid box still pays 0, not the 0.5 of a
-    touching box. `threshold` applies to the mapped value."""
-
-    def mapped(a: Box, b: Box) -> float:
-        return (box_giou(a, b) + 1.0) / 2.0
-
-    return _box_scores(mapped, completions, solution, dict(columns, coords=coords, threshold=threshold, strict=strict))
-
-
-@register_reward("counting")
+@register_reward("counting", inline=True)
 def counting_reward(
     completions: list[str],
     solution: list[Any],
@@ -271,7 +231,7 @@ def counting_reward(
     optional think block and one answer block, not truncated) and must hold exactly one number with an integer
     value: "3", "3.0" and "3 shapes" count as 3; "3.5", "3 or 4" and an empty answer pay 0.
     """
-    truncated = _per_sample(completion_truncated, len(completions), False)
+    truncated = per_sample(completion_truncated, len(completions), False)
     scores: list[float | None] = []
     for completion, sol, trunc in zip(completions, solution, truncated, strict=True):
         target = parse_number(str(sol), exact=True)
@@ -284,12 +244,13 @@ def counting_reward(
     return scores
 
 
-@register_reward("length")
+@register_reward("length", inline=True)
 def length_penalty(
     completions: list[str],
     *,
     max_length: int = 1024,
     cache_length: int = 256,
+    min_length: int = 0,
     completion_lengths: list[int] | None = None,
     **_: Any,
 ) -> list[float | None]:
@@ -301,18 +262,24 @@ def length_penalty(
              = -1                                 if L > L_max
 
     It discourages rambling to the generation limit gradually, instead of the cliff of a truncation penalty.
+    min_length > 0 also penalises answers that are too short (a policy that learned to skip its reasoning):
+    r(L) = (L - L_min) / L_min for L < L_min, linear from -1 at L = 0 up to 0 at L_min.
     """
     if not 0 < cache_length <= max_length:
         raise ValueError(
             f"need 0 < cache_length <= max_length, got cache_length={cache_length}, max_length={max_length}"
         )
+    if not 0 <= min_length <= max_length - cache_length:
+        raise ValueError(f"need 0 <= min_length <= max_length - cache_length, got min_length={min_length}")
     lengths = completion_lengths if completion_lengths is not None else [len(completion_text(c)) for c in completions]
     if len(lengths) != len(completions):
         raise ValueError(f"completion_lengths has {len(lengths)} values for {len(completions)} completions")
     soft_start = max_length - cache_length
     scores: list[float | None] = []
     for length in lengths:
-        if length <= soft_start:
+        if length < min_length:
+            scores.append((length - min_length) / min_length)
+        elif length <= soft_start:
             scores.append(0.0)
         elif length <= max_length:
             scores.append((soft_start - length) / cache_length)

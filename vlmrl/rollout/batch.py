@@ -17,7 +17,9 @@ def make_prompts(policy: Policy, samples: list[dict], template: str = "{problem}
 
 
 def reward_columns(samples: list[dict], prompt_index: Tensor) -> dict[str, list]:
-    """Every dataset column (images aside), repeated so row n holds the column of the prompt of trajectory n."""
-    keys = dict.fromkeys(k for s in samples for k in s if k != "images")
+    """Every dataset column, repeated so row n holds the column of the prompt of trajectory n. `images` rows are the
+    same list objects for a prompt's G answers (not copies); `compute_rewards` passes them only to rewards that
+    name an `images` parameter (the judge)."""
+    keys = dict.fromkeys(k for s in samples for k in s)
     rows = prompt_index.tolist()
     return {k: [samples[i].get(k) for i in rows] for k in keys}

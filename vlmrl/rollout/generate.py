@@ -58,7 +58,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
 
 
 def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                  generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                  generator: torch.Generator | None = None, uniform: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Sample one token per row; return (tokens, log-prob of each under softmax(logits / temperature)).
 
     temperature == 0 is greedy decoding (log-probs then at temperature 1). top-k / top-p restrict what is sampled;
@@ -79,14 +79,24 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
         drop_sorted = cum - sorted_logp.exp() > top_p  # keep the smallest prefix whose mass reaches top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
-    tokens = torch.multinomial(filtered.exp(), 1, generator=generator).squeeze(-1)
+    if uniform is not None:  # Gumbel-max with the caller's noise: argmax(log p + g) is a sample of p
+        gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+        tokens = (filtered + gumbel).argmax(-1)
+    else:
+        tokens = torch.multinomial(filtered.exp(), 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
 @torch.no_grad()
 def generate(policy: Policy, prompts: PromptBatch, group_size: int, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None) -> Rollout:
-    """Sample `group_size` completions for every prompt in one batched call."""
+             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             prompt_seeds: list[int] | None = None) -> Rollout:
+    """Sample `group_size` completions for every prompt in one batched call.
+
+    With `prompt_seeds` (one per prompt), each prompt's answers draw their noise from their own random stream, so
+    they do not depend on which other prompts share the batch: the same seeds give the same answers whether the
+    step runs in one process or is sharded across ranks. Otherwise `generator` drives the whole batch.
+    """
     family = policy.family
     index = torch.arange(len(prompts)).repeat_interleave(group_size)
     pe = family.prompt_embeds(prompts)
@@ -94,12 +104,20 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int, max_new_toke
     n, device = len(index), pe.embeds.device
     eos = torch.tensor(policy.eos_token_ids, device=device)
     cache = family.new_cache()
-    hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache)[:, -1]
+    hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache, pe.extras)[:, -1]
     mask = pe.attention_mask
     tokens, logps, alive_steps = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)
+    streams = None
+    if prompt_seeds is not None and temperature > 0:
+        streams = [torch.Generator(device=device).manual_seed(int(s)) for s in prompt_seeds]
     for t in range(max_new_tokens):
-        tok, logp = sample_tokens(family.lm_head(hidden), temperature, top_k, top_p, generator)
+        logits = family.lm_head(hidden)
+        uniform = None
+        if streams is not None:
+            uniform = torch.cat([torch.rand(group_size, logits.shape[-1], generator=g, device=device)
+                                 for g in streams])
+        tok, logp = sample_tokens(logits, temperature, top_k, top_p, generator, uniform)
         tok = torch.where(alive, tok, policy.pad_token_id)
         tokens.append(tok)
         logps.append(torch.where(alive, logp, 0.0))

@@ -27,12 +27,17 @@ def restore_rng(state: dict, generator: torch.Generator | None = None) -> None:
         generator.set_state(state["generator"])
 
 
-def save_checkpoint(path: str | Path, policy: Policy, config: Config, state: dict) -> Path:
+def save_checkpoint(path: str | Path, policy: Policy, config: Config, state: dict,
+                    state_dict: dict | None = None) -> Path:
     """Write `path/` with the model and processor (loadable by `from_pretrained` / `vlmrl eval`), the resolved config
     and `trainer_state.pt` (step, optimizer, scheduler, RNG and data-order state)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    policy.save_pretrained(path)
+    if state_dict is None:
+        policy.save_pretrained(path)
+    else:  # FSDP2: the consolidated weights gathered from every rank's shard
+        policy.model.save_pretrained(path, state_dict=state_dict)
+        policy.processor.save_pretrained(path)
     save_config(config, path / "config.yaml")
     torch.save(state, path / STATE_FILE)
     return path

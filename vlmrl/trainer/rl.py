@@ -22,9 +22,11 @@ from vlmrl.eval.generative import correctness
 from vlmrl.models.forward import sequence_logprobs
 from vlmrl.models.policy import Policy
 from vlmrl.models.qwen_vl import PromptBatch, concat_prompt_batches
+from vlmrl.models.reference import Reference
 from vlmrl.rewards import RewardOutput, RewardSpec, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import Rollout, concat_rollouts, generate
+from vlmrl.trainer.distributed import DistInfo, TrainingForward, gathered
 
 
 @dataclass
@@ -40,10 +42,23 @@ class StepContext:
     trainer: TrainerConfig
     template: str = "{problem}"
     max_prompt_length: int | None = None
-    reference: Policy | None = None  # frozen copy: when algorithm.beta > 0, and for DPO
+    reference: Reference | None = None  # the RL start, when algorithm.beta > 0 and for DPO (vlmrl.models.reference)
     critic: object | None = None  # vlmrl.trainer.critic.Critic, for advantage "gae"
     generator: torch.Generator | None = None
     step: int = 0
+    prompt_offset: int = 0  # global position of this process's first prompt (data-parallel ranks shard the step)
+    dist: DistInfo = field(default_factory=DistInfo)
+    forward: torch.nn.Module | None = None  # the training forward, wrapped by DDP/FSDP2 when distributed
+
+    def __post_init__(self):
+        if self.forward is None:
+            self.forward = TrainingForward(self.policy)
+
+
+def prompt_seed(seed: int, step: int, round_index: int, position: int) -> int:
+    """The random stream of one prompt's answers: a function of (seed, step, resampling round, global position), so
+    a step samples the same answers in one process or sharded across ranks."""
+    return (((seed * 1_000_003 + step) * 1_000_033 + round_index) * 1_000_037 + position) % (2**63 - 1)
 
 
 @dataclass
@@ -75,13 +90,16 @@ class Trajectories(NamedTuple):
 
 # -- Stage I: collect ------------------------------------------------------------------------------------------------
 def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None,
-            temperature: float | None = None) -> tuple[PromptBatch, Rollout]:
+            temperature: float | None = None, round_index: int = 0) -> tuple[PromptBatch, Rollout]:
     """G answers for every prompt, in one batched generation call."""
     prompts = make_prompts(ctx.policy, samples, ctx.template, ctx.max_prompt_length)
     r = ctx.rollout
+    seeds = [prompt_seed(ctx.trainer.seed, ctx.step, round_index, ctx.prompt_offset + i) for i in range(len(samples))]
     ctx.policy.model.eval()
-    rollout = generate(ctx.policy, prompts, group_size or r.group_size, r.max_new_tokens,
-                       r.temperature if temperature is None else temperature, r.top_k, r.top_p, ctx.generator)
+    with gathered(ctx.forward):
+        rollout = generate(ctx.policy, prompts, group_size or r.group_size, r.max_new_tokens,
+                           r.temperature if temperature is None else temperature, r.top_k, r.top_p, ctx.generator,
+                           prompt_seeds=seeds)
     ctx.policy.model.train()
     return prompts, rollout
 
@@ -95,8 +113,8 @@ def score(ctx: StepContext, samples: list[dict], rollout: Rollout) -> tuple[Rewa
     return compute_rewards(ctx.rewards, rollout.texts, columns), columns
 
 
-def collect_and_score(ctx: StepContext, samples: list[dict]) -> Batch:
-    prompts, rollout = collect(ctx, samples)
+def collect_and_score(ctx: StepContext, samples: list[dict], round_index: int = 0) -> Batch:
+    prompts, rollout = collect(ctx, samples, round_index=round_index)
     rewards, columns = score(ctx, samples, rollout)
     baseline = None
     if ctx.algorithm.advantage == "remax":  # ReMax's baseline: the reward of the greedy answer to the same prompt
@@ -110,9 +128,7 @@ def keep_groups(batch: Batch, keep: Tensor, group_size: int) -> Batch:
     prompts_kept = keep.nonzero().flatten()
     rows = (prompts_kept[:, None] * group_size + torch.arange(group_size)).flatten()
     new_index = torch.arange(len(prompts_kept)).repeat_interleave(group_size)
-    r = batch.rewards
-    rewards = RewardOutput(r.total[rows], {k: [v[i] for i in rows.tolist()] for k, v in r.components.items()},
-                           r.failures, r.no_reward, r.errors)
+    rewards = batch.rewards.select(rows.tolist())
     return Batch([batch.samples[i] for i in prompts_kept.tolist()], batch.prompts.subset(prompts_kept.tolist()),
                  batch.rollout.select(rows, new_index), rewards,
                  {k: [v[i] for i in rows.tolist()] for k, v in batch.columns.items()},
@@ -120,11 +136,7 @@ def keep_groups(batch: Batch, keep: Tensor, group_size: int) -> Batch:
 
 
 def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
-    rs = [b.rewards for b in batches]
-    rewards = RewardOutput(torch.cat([r.total for r in rs]),
-                           {k: [v for r in rs for v in r.components[k]] for k in rs[0].components},
-                           {k: sum(r.failures.get(k, 0) for r in rs) for k in rs[0].failures},
-                           sum(r.no_reward for r in rs), {k: v for r in rs for k, v in r.errors.items()})
+    rewards = RewardOutput.concat([b.rewards for b in batches])
     baselines = [b.baseline_rewards for b in batches]
     return Batch([s for b in batches for s in b.samples],
                  concat_prompt_batches([b.prompts for b in batches], pad_token_id),
@@ -148,7 +160,7 @@ def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[
         if found >= want or rounds >= ctx.algorithm.max_resample_rounds:
             break
         rounds += 1
-        batch = collect_and_score(ctx, draw(want))
+        batch = collect_and_score(ctx, draw(want), round_index=rounds)
     stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": min(found, want),
              "dynamic_sampling/dropped_groups": generated - found}
     if not kept:
@@ -173,9 +185,10 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
             old = rollout.logprobs
         else:
             ctx.policy.model.eval()
-            old = sequence_logprobs(ctx.policy, *args).logprobs
+            with gathered(ctx.forward):
+                old = sequence_logprobs(ctx.policy, *args).logprobs
             ctx.policy.model.train()
-        ref = sequence_logprobs(ctx.reference, *args).logprobs if ctx.reference is not None else None
+        ref = ctx.reference.logprobs(*args) if ctx.reference is not None else None
         values = ctx.critic.values(*args) if ctx.critic is not None else None
     rewards = batch.rewards.total
     kl = kl_estimate(old, ref, algo.kl_estimator) * mask if ref is not None else None
@@ -227,5 +240,6 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
     gallery = {"id": s["id"], "problem": s["problem"], "solution": s["solution"], "answers": rollout.texts[:g],
                "rewards": first.rewards.total[:g].tolist(), "correct": correct[:g],
                "components": {k: v[:g] for k, v in first.rewards.components.items()},
+               "details": {k: v[:g] for k, v in getattr(first.rewards, "details", {}).items()},  # judge feedback
                "image": (s.get("images") or [None])[0]}  # the logger saves it as RUN_DIR/gallery/*.png
     return metrics, gallery

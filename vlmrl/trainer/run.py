@@ -5,7 +5,6 @@ Progress reaches the caller through a `Progress` object (the CLI draws bars with
 
 from __future__ import annotations
 
-import copy
 import math
 import random
 import time
@@ -19,9 +18,25 @@ from vlmrl.data import build_dataset, vocabulary_texts
 from vlmrl.eval.generative import evaluate
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
+from vlmrl.models.reference import Reference
+from vlmrl.models.trainable import configure_training, start_lora
 from vlmrl.rewards import RewardSpec, resolve_reward
 from vlmrl.trainer.checkpoint import load_state, restore_rng, rng_state, save_checkpoint
 from vlmrl.trainer.critic import Critic
+from vlmrl.trainer.distributed import (
+    NullLogger,
+    barrier,
+    broadcast_object,
+    full_state_dict,
+    gathered,
+    init_distributed,
+    load_sharded_optimizer,
+    reduce_metrics,
+    save_sharded_optimizer,
+    shard,
+    wrap,
+)
+from vlmrl.trainer.dpo import OfflineDPO, synthetic_preferences
 from vlmrl.trainer.logger import MetricsLogger
 from vlmrl.trainer.rl import StepContext, rl_step
 from vlmrl.trainer.sft import sft_step
@@ -66,12 +81,16 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return factor
 
 
-def build_policy(cfg: Config, run_dir: Path) -> Policy:
+def build_policy(cfg: Config, run_dir: Path, dist_info=None) -> Policy:
     m = cfg.model
     name = m.name_or_path
-    if name == "tiny":
-        name = build_tiny_vlm(run_dir / "base_model", vocabulary_texts(cfg.data.seed), m.tiny, seed=cfg.trainer.seed)
-    return load_policy(name, m.dtype, m.device, m.min_pixels, m.max_pixels)
+    if name == "tiny":  # built once, by rank 0; the other ranks load the saved folder
+        name = run_dir / "base_model"
+        if dist_info is None or dist_info.is_main:
+            build_tiny_vlm(name, vocabulary_texts(cfg.data.seed), m.tiny, seed=cfg.trainer.seed)
+        if dist_info is not None:
+            barrier(dist_info)
+    return configure_training(load_policy(name, m.dtype, m.device, m.min_pixels, m.max_pixels, m.autocast), m)
 
 
 class PromptStream:
@@ -120,7 +139,10 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
-    rewards = [RewardSpec(r.name, r.weight, dict(r.kwargs), r.label) for r in cfg.rewards]
+    dist_info = init_distributed(cfg.trainer.distributed, cfg.model.device)
+    if not dist_info.is_main:
+        progress = Progress()  # one progress bar and one log: rank 0's
+    rewards = [RewardSpec.from_config(r) for r in cfg.rewards]
     for spec in rewards:
         resolve_reward(spec.name)  # an unknown reward fails here, before data or model are built
     resume_state = load_state(resume) if resume else None
@@ -134,9 +156,15 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         sft_set, sft_report = build_dataset(d.sft, "train", d.seed + 1, d.on_error)
         reports += [sft_report] if sft_report is not None else []
     # data is loaded (and bad input reported) before the run directory is created
-    run_dir = Path(resume).parent if resume else fresh_run_dir(cfg.trainer.output_dir)
-    save_config(cfg, run_dir / "config.yaml")
-    logger = MetricsLogger(run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project, to_dict(cfg))
+    run_dir = Path(resume).parent if resume else None
+    if run_dir is None and dist_info.is_main:
+        run_dir = fresh_run_dir(cfg.trainer.output_dir)
+    run_dir = broadcast_object(run_dir, dist_info)
+    if dist_info.is_main:
+        save_config(cfg, run_dir / "config.yaml")
+        logger = MetricsLogger(run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project, to_dict(cfg))
+    else:
+        logger = NullLogger()
     for r in reports:
         if r.skipped:
             progress.message(f"{r.path}: skipped {r.skipped} bad rows (data.on_error=skip); first: {r.problems[0]}")
@@ -148,7 +176,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
                      "skipped_problems": [p for r in reports for p in r.problems]}
 
     if resume_state is None:
-        policy = build_policy(cfg, run_dir)
+        policy = build_policy(cfg, run_dir, dist_info)
         if cfg.sft.steps > 0:
             sft_opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.sft.lr)
             sft_sched = torch.optim.lr_scheduler.LambdaLR(sft_opt, lr_lambda(cfg.sft.lr_schedule, 0, cfg.sft.steps))
@@ -165,15 +193,35 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         start_eval = run_eval(policy, cfg, eval_set, rewards, progress, "after SFT")
         logger.log(start_eval, 0, "eval")
         summary["start"] = start_eval
+        # LoRA: adapters for RL on the SFT result (saved first, so adapter checkpoints name the weights they adapt)
+        policy = start_lora(policy, cfg.model, run_dir / "lora_base" if cfg.sft.steps > 0 else None,
+                            save=dist_info.is_main)
     else:
-        policy = load_policy(resume, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels)
+        m = cfg.model
+        policy = configure_training(load_policy(resume, m.dtype, m.device, m.min_pixels, m.max_pixels, m.autocast), m)
         summary["start"] = resume_state.get("start_eval", {})
 
+    offline_dpo = d.preferences is not None
     reference = None
-    if cfg.algorithm.beta > 0 or cfg.algorithm.policy_loss == "dpo":
-        reference = copy.deepcopy(policy)
-        reference.family = type(policy.family)(reference.model)
-        reference.model.eval().requires_grad_(False)
+    if cfg.algorithm.beta > 0 or cfg.algorithm.policy_loss == "dpo" or offline_dpo:
+        # the RL start: a frozen copy (checkpoint-0 when resuming), or under LoRA the policy with adapters disabled
+        m = cfg.model
+        reference = Reference.of(policy, None if resume_state is None else run_dir / "checkpoint-0", dtype=m.dtype,
+                                 device=m.device, min_pixels=m.min_pixels, max_pixels=m.max_pixels,
+                                 autocast=m.autocast)
+    dpo = None
+    if offline_dpo:
+        pairs, pref_report = build_dataset(d.preferences, "train", d.seed + 2, d.on_error)
+        if pref_report is None:  # a built-in task: pairs from its labels (chosen = right answer, rejected = wrong)
+            pairs = synthetic_preferences(pairs, cfg.sft.target_template, d.seed)
+        with reference.active() as reference_policy:
+            dpo = OfflineDPO(policy, reference_policy, pairs, cfg)
+        train_set = pairs
+    if dist_info.active and (cfg.algorithm.advantage == "gae" or cfg.algorithm.policy_loss == "dpo" or offline_dpo
+                             or cfg.algorithm.dynamic_sampling):
+        raise ValueError("trainer.distributed supports the GRPO family, RLOO, REINFORCE++ and ReMax so far; "
+                         "run critics, DPO and dynamic sampling in one process")
+    forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
     params = [p for p in policy.model.parameters() if p.requires_grad]
     t = cfg.trainer
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
@@ -192,32 +240,54 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         critic = Critic(policy, cfg.algorithm.critic, cfg.algorithm.critic_lr)
         if resume_state is not None:
             critic.load_state_dict(resume_state["critic"])
+    shard_start, shard_stop = shard(cfg.rollout.prompts_per_step, dist_info)
     ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, cfg.algorithm, cfg.trainer,
-                      d.prompt_template, d.max_prompt_length, reference, critic, generator)
+                      d.prompt_template, d.max_prompt_length, reference, critic, generator,
+                      prompt_offset=shard_start, dist=dist_info, forward=forward)
+    if resume_state is not None and dist_info.mode == "fsdp2" and dist_info.active:
+        if (Path(resume) / "sharded").exists():
+            load_sharded_optimizer(forward, optimizer, Path(resume) / "sharded")
 
     def checkpoint(step: int) -> Path:
-        state = {"step": step, "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                 "data": stream.state(), "rng": rng_state(generator), "start_eval": summary["start"],
-                 "critic": critic.state_dict() if critic is not None else None}
-        return save_checkpoint(run_dir / f"checkpoint-{step}", policy, cfg, state)
+        path = run_dir / f"checkpoint-{step}"
+        sharded = dist_info.mode == "fsdp2" and dist_info.active
+        full = full_state_dict(forward, dist_info)  # FSDP2: every rank joins the gather
+        if sharded and optimizer.state:  # (an empty state needs no file; torch would "initialise" it with a step)
+            save_sharded_optimizer(forward, optimizer, path / "sharded")
+        if dist_info.is_main:
+            state = {"step": step, "optimizer": None if sharded else optimizer.state_dict(),
+                     "scheduler": scheduler.state_dict(), "data": stream.state(), "rng": rng_state(generator),
+                     "start_eval": summary["start"], "critic": critic.state_dict() if critic is not None else None}
+            save_checkpoint(path, policy, cfg, state, state_dict=full)
+        barrier(dist_info)
+        return path
 
     if resume_state is None:
         checkpoint(0)  # the SFT start: the baseline every RL number is compared with
     progress.start("rl", t.steps - first_step + 1)
     for step in range(first_step, t.steps + 1):
         ctx.step = step
-        samples = [train_set[i] for i in stream.next(cfg.rollout.prompts_per_step)]
-        metrics, gallery = rl_step(ctx, samples, draw=lambda k: [train_set[i] for i in stream.next(k)])
+        if dpo is not None:
+            metrics, gallery = dpo.step(stream.next(cfg.rollout.prompts_per_step), optimizer, scheduler), None
+            metrics.setdefault("reward/total/mean", metrics["dpo/accuracy"])
+            metrics.setdefault("accuracy", metrics["dpo/accuracy"])
+        else:
+            step_prompts = stream.next(cfg.rollout.prompts_per_step)[shard_start:shard_stop]  # this rank's shard
+            samples = [train_set[i] for i in step_prompts]
+            metrics, gallery = rl_step(ctx, samples, draw=lambda k: [train_set[i] for i in stream.next(k)])
+            metrics = reduce_metrics(metrics, dist_info)
         logger.log(metrics, step, "train")
-        if t.log_rollouts_every and (step % t.log_rollouts_every == 0 or step == 1):
+        if gallery and t.log_rollouts_every and (step % t.log_rollouts_every == 0 or step == 1):
             logger.log_rollouts([{"step": step, **gallery}])
         progress.advance(reward=f"{metrics['reward/total/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}")
         if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-            logger.log(run_eval(policy, cfg, eval_set, rewards, Progress(), f"step {step}"), step, "eval")
+            with gathered(forward):
+                logger.log(run_eval(policy, cfg, eval_set, rewards, Progress(), f"step {step}"), step, "eval")
         if t.save_every and step % t.save_every == 0 and step != t.steps:
             checkpoint(step)
     progress.end()
-    final_eval = run_eval(policy, cfg, eval_set, rewards, progress, "after RL")
+    with gathered(forward):
+        final_eval = run_eval(policy, cfg, eval_set, rewards, progress, "after RL")
     logger.log(final_eval, t.steps, "eval")
     summary["final"] = final_eval
     summary["checkpoint"] = str(checkpoint(t.steps))

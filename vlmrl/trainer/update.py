@@ -12,8 +12,8 @@ from torch import Tensor
 
 from vlmrl.algorithms.kl import kl_estimate
 from vlmrl.algorithms.losses import POLICY_LOSSES, aggregate, dpo_loss, masked_mean, value_loss
-from vlmrl.models.forward import sequence_logprobs
 from vlmrl.models.qwen_vl import PromptBatch
+from vlmrl.trainer.distributed import all_sum, no_sync
 from vlmrl.trainer.rl import StepContext, Trajectories
 
 
@@ -26,71 +26,79 @@ def _clip_and_step(params: list, optimizer: torch.optim.Optimizer, max_norm: flo
 def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[str, float]:
     if ctx.algorithm.policy_loss == "dpo":
         return update_online_dpo(ctx, prompts, traj)
-    algo, cfg = ctx.algorithm, ctx.trainer
+    algo, cfg, critic = ctx.algorithm, ctx.trainer, ctx.critic
     n = traj.advantages.shape[0]
-    loss_fn = POLICY_LOSSES[algo.policy_loss]
-    critic = ctx.critic
     warmup = critic is not None and ctx.step <= algo.critic_warmup_steps  # train only the critic
     policy_params = [p for p in ctx.policy.model.parameters() if p.requires_grad]
-    sums: dict[str, float] = {"loss": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "grad_norm": 0.0}
-    if traj.ref_logprobs is not None:
-        sums["kl"] = 0.0
-    if critic is not None:
-        sums.update({"value_loss": 0.0, "value_clip_fraction": 0.0})
+    sums: dict[str, float] = {}
     updates = 0
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(n, generator=ctx.generator) if cfg.minibatches > 1 else torch.arange(n)
         for minibatch in order.chunk(cfg.minibatches):
-            mb_tokens = traj.loss_mask[minibatch].sum().clamp(min=1)
+            # normalise by the whole minibatch across ranks; DDP/FSDP2 average gradients over ranks, hence / world
+            world = ctx.dist.world
+            mb_tokens = (all_sum(traj.loss_mask[minibatch].sum(), ctx.dist) / world).clamp(min=1).float()
+            mb_seqs = float(all_sum(len(minibatch), ctx.dist)) / world
             ctx.optimizer.zero_grad(set_to_none=True)
             if critic is not None:
                 critic.optimizer.zero_grad(set_to_none=True)
-            for rows in minibatch.split(cfg.micro_batch or len(minibatch)):
-                share = len(rows) / len(minibatch)
-                mask = traj.loss_mask[rows]
-                out = sequence_logprobs(ctx.policy, prompts, traj.prompt_index[rows], traj.completion_ids[rows],
-                                        mask, ctx.rollout.temperature, with_entropy=True,
-                                        entropy_grad=algo.entropy_coef > 0,
-                                        with_hidden=critic is not None and critic.mode == "head")
-                pl = loss_fn(out.logprobs, traj.old_logprobs[rows], traj.advantages[rows], mask,
-                             epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high, dual_clip=algo.dual_clip)
-                per_token = pl.per_token_loss
-                if traj.ref_logprobs is not None:
-                    kl = kl_estimate(out.logprobs, traj.ref_logprobs[rows], algo.kl_estimator)
-                    if algo.kl_in == "loss" and algo.beta:
-                        per_token = per_token + algo.beta * kl
-                    sums["kl"] += masked_mean(kl, mask).item() * share
-                if algo.entropy_coef:
-                    per_token = per_token - algo.entropy_coef * out.entropy
-                loss = aggregate(per_token, mask, algo.loss_aggregation, ctx.rollout.max_new_tokens,
-                                 batch_tokens=mb_tokens, batch_sequences=len(minibatch))
-                if warmup:
-                    loss = loss * 0.0
-                if critic is not None:
-                    if critic.mode == "head":
-                        values = critic.values_from_hidden(out.hidden, mask)
-                    else:
-                        values = critic.values(prompts, traj.prompt_index[rows], traj.completion_ids[rows], mask,
-                                               ctx.rollout.temperature)
-                    vl, vclip = value_loss(values, traj.old_values[rows], traj.returns[rows], mask, algo.value_clip)
-                    vl = aggregate(vl, mask, "token-mean", batch_tokens=mb_tokens)
-                    loss = loss + (algo.vf_coef if critic.mode == "head" else 1.0) * vl
-                    sums["value_loss"] += vl.item()
-                    sums["value_clip_fraction"] += vclip.item() * share
-                loss.backward()
-                sums["loss"] += loss.item()
-                sums["clip_fraction"] += pl.clip_fraction.item() * share
-                sums["entropy"] += masked_mean(out.entropy.detach(), mask).item() * share
+            chunks = minibatch.split(cfg.micro_batch or len(minibatch))
+            for i, rows in enumerate(chunks):
+                with no_sync(ctx.forward, last=i == len(chunks) - 1):
+                    loss, parts = micro_batch_loss(ctx, prompts, traj, rows, mb_tokens, mb_seqs, warmup)
+                    loss.backward()
+                for key, value in parts.items():  # losses already carry their share; means are weighted here
+                    weight = 1.0 if key in ("loss", "value_loss") else len(rows) / len(minibatch)
+                    sums[key] = sums.get(key, 0.0) + value * weight
             if critic is not None:
                 critic_params = [p for group in critic.optimizer.param_groups for p in group["params"]]
                 _clip_and_step(critic_params, critic.optimizer, cfg.max_grad_norm)
             if not warmup:
-                sums["grad_norm"] += _clip_and_step(policy_params, ctx.optimizer, cfg.max_grad_norm)
+                sums["grad_norm"] = sums.get("grad_norm", 0.0) + _clip_and_step(policy_params, ctx.optimizer,
+                                                                                cfg.max_grad_norm)
             updates += 1
     ctx.scheduler.step()
     metrics = {k: v / updates for k, v in sums.items()}
     metrics["lr"] = ctx.scheduler.get_last_lr()[0]
     return metrics
+
+
+def micro_batch_loss(ctx: StepContext, prompts: PromptBatch, traj: Trajectories, rows: Tensor, mb_tokens: Tensor,
+                     mb_seqs: float, warmup: bool) -> tuple[Tensor, dict[str, float]]:
+    """This chunk's share of the minibatch loss (policy loss, KL in the loss, entropy bonus, value loss)."""
+    algo, critic = ctx.algorithm, ctx.critic
+    mask = traj.loss_mask[rows]
+    out = ctx.forward(prompts, traj.prompt_index[rows], traj.completion_ids[rows], mask, ctx.rollout.temperature,
+                      with_entropy=True, entropy_grad=algo.entropy_coef > 0,
+                      with_hidden=critic is not None and critic.mode == "head")
+    pl = POLICY_LOSSES[algo.policy_loss](out.logprobs, traj.old_logprobs[rows], traj.advantages[rows], mask,
+                                         epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
+                                         dual_clip=algo.dual_clip)
+    per_token = pl.per_token_loss
+    parts = {"clip_fraction": pl.clip_fraction.item(), "entropy": masked_mean(out.entropy.detach(), mask).item()}
+    if traj.ref_logprobs is not None:
+        kl = kl_estimate(out.logprobs, traj.ref_logprobs[rows], algo.kl_estimator)
+        if algo.kl_in == "loss" and algo.beta:
+            per_token = per_token + algo.beta * kl
+        parts["kl"] = masked_mean(kl.detach(), mask).item()
+    if algo.entropy_coef:
+        per_token = per_token - algo.entropy_coef * out.entropy
+    loss = aggregate(per_token, mask, algo.loss_aggregation, ctx.rollout.max_new_tokens, batch_tokens=mb_tokens,
+                     batch_sequences=mb_seqs)
+    if warmup:
+        loss = loss * 0.0
+    if critic is not None:
+        if critic.mode == "head":
+            values = critic.values_from_hidden(out.hidden, mask)
+        else:
+            values = critic.values(prompts, traj.prompt_index[rows], traj.completion_ids[rows], mask,
+                                   ctx.rollout.temperature)
+        vl, vclip = value_loss(values, traj.old_values[rows], traj.returns[rows], mask, algo.value_clip)
+        vl = aggregate(vl, mask, "token-mean", batch_tokens=mb_tokens)
+        loss = loss + (algo.vf_coef if critic.mode == "head" else 1.0) * vl
+        parts.update({"value_loss": vl.item(), "value_clip_fraction": vclip.item()})
+    parts["loss"] = loss.item()
+    return loss, parts
 
 
 def dpo_pairs(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
@@ -118,8 +126,7 @@ def update_online_dpo(ctx: StepContext, prompts: PromptBatch, traj: Trajectories
         c, r = chosen[start:start + micro], rejected[start:start + micro]
         both = torch.cat([c, r])
         mask = traj.loss_mask[both]
-        out = sequence_logprobs(ctx.policy, prompts, traj.prompt_index[both], traj.completion_ids[both], mask,
-                                ctx.rollout.temperature)
+        out = ctx.forward(prompts, traj.prompt_index[both], traj.completion_ids[both], mask, ctx.rollout.temperature)
         seq = out.logprobs.sum(-1)
         ref = (traj.ref_logprobs[both] * mask).sum(-1)
         k = len(c)

@@ -1,0 +1,148 @@
+"""ReCLIP vs continued InfoNCE from the same warm-start, equal optimizer steps, over seeds.
+
+For each seed: one job (data, embedded student, cached frozen inputs) -> the InfoNCE warm-start -> a snapshot; then
+each arm starts from the snapshot (weights, batch order) and runs `rl.steps` optimizer steps of its method on the
+same batches: `infonce` (continued symmetric InfoNCE), `reclip` (the recipe's ReCLIP) and, with --arms, `negclip`
+(InfoNCE with the hard-negative captions as extra columns: a control that trains on the negatives directly).
+Held-out metrics of the warm-start and of every arm are averaged over seeds (mean ± sample std).
+
+    python benchmarks/reclip_vs_infonce.py --seeds 0 1 2 --out runs/reclip-bench/results.json
+    python benchmarks/reclip_vs_infonce.py --seeds 0 rl.steps=50 warmup.steps=50     # a quick look
+
+Prints a markdown table (the one in BENCHMARKS.md) and writes every number to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from vlmrl.reclip.config import load_reclip_config
+from vlmrl.reclip.step import infonce_step
+from vlmrl.reclip.trainer import Job, _clamp_scale, _optimizer, prepare, rl_phase, warm_start
+from vlmrl.trainer.run import Progress
+
+HEADLINE = ["comp/acc", "t2i/R@1"]
+ROWS = ["comp/acc", "comp/relation", "comp/binding", "comp/color", "comp/shape", "comp/count", "comp/all",
+        "t2i/R@1", "t2i/R@5", "t2i/R@10", "t2i/semantic_R@1", "i2t/R@1", "i2t/R@5", "i2t/R@10",
+        "zeroshot/colour", "zeroshot/shape", "zeroshot/count", "zeroshot/mean"]
+
+
+class Log(Progress):
+    def message(self, text: str) -> None:
+        print(text, file=sys.stderr, flush=True)
+
+
+def negclip_phase(job: Job) -> dict[str, float]:
+    """The control arm: rl.steps of InfoNCE whose text columns include the batch's hard-negative captions."""
+    rl, ctx = job.cfg.rl, job.ctx
+    ctx.optimizer = _optimizer(job.student, rl.lr)
+    ctx.store.warm([n.caption for it in job.train for n in it.negatives])
+    for step in range(1, rl.steps + 1):
+        metrics = infonce_step(ctx, job.batch(rl.batch_size), negatives=True)
+        _clamp_scale(job.student)
+        if step % job.cfg.trainer.log_every == 0:
+            job.logger.log(metrics, step, "train_negclip")
+    result = job.evaluate()
+    job.logger.log(result, rl.steps, "eval_negclip")
+    return result
+
+
+def run_seed(recipe: str | None, overrides: list[str], seed: int, out_dir: Path, arms: list[str]) -> dict:
+    cfg = load_reclip_config(recipe, overrides + [f"trainer.seed={seed}", f"trainer.output_dir={out_dir}/seed{seed}",
+                                                  "trainer.save_students=false"])
+    t0 = time.perf_counter()
+    job = prepare(cfg, Log())
+    t_prep = time.perf_counter()
+    result = {"seed": seed, "warm": warm_start(job, Log())}
+    t_warm = time.perf_counter()
+    print(f"seed {seed}: warm-start done ({t_warm - t_prep:.0f} s after {t_prep - t0:.0f} s of setup)", flush=True)
+    snapshot = copy.deepcopy(job.student.state_dict())
+    batches, candidates = job.batches.get_state(), job.ctx.generator.get_state()
+    seconds = {}
+    for arm in arms:
+        job.student.load_state_dict(snapshot)
+        job.batches.set_state(batches)
+        job.ctx.generator.set_state(candidates)
+        t = time.perf_counter()
+        if arm == "negclip":
+            result[arm] = negclip_phase(job)
+        else:
+            result[arm] = rl_phase(job, Progress(), arm, phase=f"train_{arm}")
+        seconds[arm] = time.perf_counter() - t
+        print(f"seed {seed}: {arm} done in {seconds[arm]:.0f} s: "
+              + ", ".join(f"{k} {100 * result[arm][k]:.1f}" for k in HEADLINE), flush=True)
+    result["seconds"] = {"setup": t_prep - t0, "warm": t_warm - t_prep, **seconds}
+    job.logger.close()
+    return result
+
+
+def aggregate(results: list[dict], arms: list[str]) -> dict:
+    out = {}
+    for column in ["warm", *arms]:
+        out[column] = {}
+        for key in ROWS:
+            values = [r[column][key] for r in results if key in r[column]]
+            if values:
+                out[column][key] = (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
+    if "reclip" in arms and "infonce" in arms:
+        out["reclip-infonce"] = {}
+        for key in ROWS:
+            diffs = [r["reclip"][key] - r["infonce"][key] for r in results if key in r["reclip"]]
+            if diffs:
+                out["reclip-infonce"][key] = (statistics.mean(diffs), statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                                              sum(d > 0 for d in diffs))
+    return out
+
+
+def markdown(agg: dict, arms: list[str], n: int) -> str:
+    names = {"warm": "warm-start", "infonce": "+ InfoNCE", "reclip": "+ ReCLIP", "negclip": "+ NegCLIP (control)"}
+    cols = ["warm", *arms]
+    lines = ["| held-out metric (%) | " + " | ".join(names[c] for c in cols)
+             + (" | ReCLIP − InfoNCE (wins) |" if "reclip-infonce" in agg else " |"),
+             "|---" * (len(cols) + 1 + ("reclip-infonce" in agg)) + "|"]
+    for key in ROWS:
+        if key not in agg["warm"]:
+            continue
+        cells = [f"{100 * agg[c][key][0]:.1f} ± {100 * agg[c][key][1]:.1f}" for c in cols]
+        if "reclip-infonce" in agg:
+            d, s, wins = agg["reclip-infonce"][key]
+            cells.append(f"{100 * d:+.1f} ± {100 * s:.1f} ({wins}/{n})")
+        bold = key in HEADLINE
+        lines.append(f"| {'**' + key + '**' if bold else key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. rl.steps=100")
+    p.add_argument("--recipe", default="recipes/reclip_shapes.yaml")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--arms", nargs="+", default=["infonce", "reclip"], choices=["infonce", "reclip", "negclip"])
+    p.add_argument("--out", default="runs/reclip-bench/results.json")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    overrides = ["trainer.threads=1", *args.overrides]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    for seed in args.seeds:
+        results.append(run_seed(args.recipe, overrides, seed, out.parent, args.arms))
+        out.write_text(json.dumps({"recipe": args.recipe, "overrides": overrides, "results": results}, indent=2))
+    agg = aggregate(results, args.arms)
+    out.write_text(json.dumps({"recipe": args.recipe, "overrides": overrides, "results": results,
+                               "aggregate": agg}, indent=2))
+    print(markdown(agg, args.arms, len(results)))
+    secs = [r["seconds"] for r in results]
+    print("\nseconds per seed (mean): " + ", ".join(f"{k} {statistics.mean(s[k] for s in secs):.0f}" for k in secs[0]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""torchrun with 2 processes (gloo, CPU): DDP and FSDP2 steps equal a single-process run on the same global batch."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import Qwen2VLForConditionalGeneration
+
+from .test_train_e2e import SMALL
+
+STEPS = ["trainer.steps=2", "sft.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "data.eval.n=4",
+         "trainer.lr=1e-2"]  # a large lr makes a wrong update visible
+
+# a reward that differs within groups even for an untrained model, so the steps move the weights
+REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for c in completions]\n"
+
+
+def run(tmp_path, name: str, mode: str, nproc: int) -> dict:
+    reward = tmp_path / "varied_reward.py"
+    reward.write_text(REWARD)
+    args = ["-m", "vlmrl", "train", *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}",
+            f"trainer.distributed={mode}", f"rewards=[{{name: '{reward}:score'}}]"]
+    if nproc > 1:
+        args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / name / "checkpoint-2").state_dict()
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("single")
+    return run(tmp, "single", "none", 1), Qwen2VLForConditionalGeneration.from_pretrained(
+        tmp / "single" / "checkpoint-0").state_dict()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_two_process_training_matches_one_process(tmp_path, single, mode):
+    one, start = single
+    two = run(tmp_path, mode, mode, 2)
+    moved = max((one[k] - start[k]).abs().max().item() for k in one)
+    assert moved > 1e-3  # training changed the weights, so equality below means something
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=2e-5), (k, (one[k] - two[k]).abs().max().item())

@@ -1,0 +1,124 @@
+"""The evaluation metrics against numbers worked by hand: pass@k, maj@n, reflection words and ratios."""
+
+import math
+
+import pytest
+
+from vlmrl.eval.metrics import (
+    ReflectionCounts,
+    answer_key,
+    majority_vote,
+    mean_pass_at_k,
+    pass_at_k,
+    reflection_words_in,
+)
+
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (5, 2, 2, 1 - 3 / 10),  # 1 - C(3,2)/C(5,2)
+    (4, 1, 1, 1 / 4),  # pass@1 is c/n
+    (10, 3, 5, 1 - 21 / 252),  # 1 - C(7,5)/C(10,5) = 11/12
+    (8, 0, 3, 0.0),
+    (5, 4, 2, 1.0),  # n - c < k: every draw of 2 holds a right answer
+])
+def test_pass_at_k_hand_computed(n, c, k, expected):
+    assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
+
+
+def test_pass_at_k_with_n_equal_k_is_any_of_n():
+    assert pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 4) == 0.0 and pass_at_k(1, 1, 1) == 1.0
+
+
+def test_pass_at_k_is_not_any_of_the_first_k():
+    """MAYE's any-of-k scores [wrong, wrong, wrong, right, right] at k=2 as 0 (the first two are wrong); the unbiased
+    estimator gives the chance that 2 of the 5 drawn at random include a right one: 1 - C(3,2)/C(5,2) = 0.7."""
+    answers = [False, False, False, True, True]
+    assert float(any(answers[:2])) == 0.0
+    assert mean_pass_at_k([answers], 2) == pytest.approx(0.7)
+
+
+def test_pass_at_k_rejects_k_above_n_and_bad_counts():
+    with pytest.raises(ValueError, match="k=5 needs at least k samples"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError):
+        pass_at_k(4, 5, 1)
+
+
+def test_mean_pass_at_k_averages_prompts():
+    # prompt 1: 1 of 4 right -> 1 - C(3,2)/C(4,2) = 1/2; prompt 2: 2 of 4 -> 1 - C(2,2)/C(4,2) = 5/6
+    got = mean_pass_at_k([[True, False, False, False], [True, True, False, False]], 2)
+    assert got == pytest.approx((1 / 2 + 5 / 6) / 2)
+    # exact even where float products would cancel: n = 200, c = 1, k = 100 -> 1 - C(199,100)/C(200,100) = 1/2
+    assert pass_at_k(200, 1, 100) == pytest.approx(0.5, abs=1e-15)
+    assert math.isclose(pass_at_k(200, 1, 1), 1 / 200)
+
+
+def test_answer_key_normalises_well_formed_answers_only():
+    assert answer_key("<answer>3</answer>", answer_type="number") == answer_key(" <answer>3.0</answer>", False,
+                                                                                "number") == "3.0"
+    assert answer_key("<answer>The Red.</answer>", answer_type="text") == "red"
+    assert answer_key("<answer>3</answer></answer>", answer_type="number") is None  # the end-token hack abstains
+    assert answer_key("<answer>3</answer>", truncated=True, answer_type="number") is None
+    assert answer_key("3", answer_type="number") is None
+
+
+def test_majority_vote():
+    assert majority_vote(["3", "4", "3", None], [True, False, True, False]) is True
+    assert majority_vote(["4", "3", None, None], [False, True, False, False]) is False  # a tie: the first key wins
+    assert majority_vote(["3", "4", "4"], [True, False, False]) is False
+    assert majority_vote([None, None], [False, False]) is False  # all abstain: wrong
+
+
+def test_reflection_words_match_on_word_boundaries():
+    words = ("wait", "yet", "check again", "re-check", "verify")
+    assert reflection_words_in("I await the answer", words) == {}
+    assert reflection_words_in("Yesterday was fine; waiting... a yeti", words) == {}
+    assert reflection_words_in("Wait, WAIT. check\n again, yet", words) == {"wait": 2, "check again": 1, "yet": 1}
+    assert reflection_words_in("let me re-check", words) == {"re-check": 1}
+
+
+CRAFTED = [  # (answer, correct): worked out by hand below
+    ("Wait, let me check again. <answer>3</answer>", True),  # reflective (wait, check again)
+    ("I await the answer <answer>4</answer>", False),  # "await" is not "wait": not reflective
+    ("Let me re-check: yet another look, yet <answer>2</answer>", False),  # reflective (re-check, yet x2)
+    ("Yesterday was fine; waiting... <answer>5</answer>", True),  # not reflective
+    ("VERIFY <answer>1</answer>", True),  # reflective (case-insensitive)
+]
+
+
+def test_reflection_ratios_on_a_crafted_set():
+    counts = ReflectionCounts()
+    flags = counts.add([t for t, _ in CRAFTED[:2]], [c for _, c in CRAFTED[:2]])
+    flags += counts.add([t for t, _ in CRAFTED[2:]], [c for _, c in CRAFTED[2:]])  # pooled across batches
+    assert flags == [True, False, True, False, True]
+    # answers 5, correct 3, reflective 3, reflective and correct 2
+    assert counts.counts() == {"answers": 5, "correct": 3, "reflective": 3, "reflective_correct": 2}
+    r = counts.ratios()
+    assert r["share"] == pytest.approx(3 / 5)
+    assert r["share_correct"] == pytest.approx(2 / 3)
+    assert r["share_incorrect"] == pytest.approx(1 / 2)
+    assert r["accuracy_reflective"] == pytest.approx(2 / 3)
+    assert r["accuracy_nonreflective"] == pytest.approx(1 / 2)
+    freq = counts.frequencies()
+    assert freq["yet"] == {"occurrences": 2, "answers": 1, "share": 1 / 5}
+    assert freq["wait"]["occurrences"] == 1 and freq["check again"]["answers"] == 1 and freq["verify"]["answers"] == 1
+
+
+def test_pooled_ratios_differ_from_averaged_batch_ratios():
+    """Pooling counts, not averaging per-batch ratios: batch A has 1 reflective answer of 1, batch B 0 of 3.
+    Pooled share 1/4; the mean of batch shares would be (1 + 0) / 2 = 1/2."""
+    counts = ReflectionCounts(("wait",))
+    counts.add(["wait"], [True])
+    counts.add(["a", "b", "c"], [True, False, False])
+    assert counts.ratios()["share"] == pytest.approx(1 / 4)
+
+
+def test_empty_denominators_are_undefined_not_zero():
+    counts = ReflectionCounts(("wait",))
+    counts.add(["<answer>1</answer>", "<answer>2</answer>"], [True, True])
+    r = counts.ratios()
+    assert r["share"] == 0.0 and r["share_correct"] == 0.0
+    assert r["share_incorrect"] is None  # no incorrect answers
+    assert r["accuracy_reflective"] is None  # no reflective answers
+    assert r["accuracy_nonreflective"] == 1.0
+    assert all(v is None for v in ReflectionCounts().ratios().values())

@@ -1,0 +1,184 @@
+"""Every supported model family, built tiny in code: generation and the training forward agree, our hooks reproduce the
+transformers model's own forward, placeholders match transformers' processors, and image tokens are counted.
+
+The batch mixes a one-image prompt, a two-image prompt, a text-only prompt and a wide image (tiling / anyres), so it
+needs left padding; each family's tiny model is built once per session (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from vlmrl.data import make_task, vocabulary_texts
+from vlmrl.models import PromptTooLongError, load_policy
+from vlmrl.models.forward import completion_logprobs, sequence_logprobs
+from vlmrl.models.tiny_families import TINY_FAMILIES, build_tiny_family
+from vlmrl.rollout.batch import make_prompts
+from vlmrl.rollout.generate import generate
+
+# transformers' own processor constructs here (no torchvision) for these; Qwen's need torchvision (DESIGN.md)
+HF_PROCESSORS = {"idefics3": "Idefics3Processor", "llava": "LlavaProcessor", "llava_next": "LlavaNextProcessor",
+                 "gemma3": "Gemma3Processor"}
+GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory):
+    torch.set_num_threads(1)
+    texts = vocabulary_texts(0)
+    return {f: build_tiny_family(f, tmp_path_factory.mktemp(f), texts) for f in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def mixed_samples():
+    """One image, two images, no image, a wide image: every kind of row in one left-padded batch."""
+    shapes = make_task("shapes_count", 4, "train", seed=3)
+    wide = Image.new("RGB", (100, 36), (30, 160, 220))
+    return [
+        {**shapes[0], "id": "one"},
+        {**shapes[1], "id": "two", "images": shapes[1]["images"] + shapes[2]["images"],
+         "problem": "How many shapes are in the two pictures together?"},
+        {"id": "text", "images": [], "problem": "What is two plus three?", "solution": "5"},
+        {**shapes[3], "id": "wide", "images": [wide]},
+    ]
+
+
+def hf_inputs(family: str, batch) -> dict:
+    """What the transformers model's forward takes for one processed prompt."""
+    v = batch.vision
+    if not v:
+        return {}
+    if family.startswith("qwen"):
+        return {**v, "mm_token_type_ids": batch.mm_token_type_ids}
+    if family in ("idefics3", "smolvlm"):
+        return {"pixel_values": v["pixel_values"][None], "pixel_attention_mask": v["pixel_attention_mask"][None]}
+    if family == "gemma3":
+        return {**v, "token_type_ids": batch.mm_token_type_ids}
+    return dict(v)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_generation_logprobs_match_training_forward(family, family_dirs, mixed_samples):
+    """DESIGN invariant 3 for every family: batch > 1, left padding, one image, two images and no image."""
+    policy = load_policy(family_dirs[family])
+    prompts = make_prompts(policy, mixed_samples)
+    assert (prompts.attention_mask == 0).any(), "the batch should need left padding"
+    assert prompts.images_per_prompt == [1, 2, 0, 1]
+    r = generate(policy, prompts, group_size=2, max_new_tokens=6, temperature=1.0,
+                 generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logp = sequence_logprobs(policy, prompts, r.prompt_index, r.completion_ids, r.completion_mask, 1.0).logprobs
+    assert r.completion_mask.sum() > len(mixed_samples)
+    assert torch.allclose(logp, r.logprobs, atol=1e-4), (logp - r.logprobs).abs().max()
+    # each row recomputed with its prompt alone (no padding, no neighbours): padding bugs shared by both paths show
+    for p, sample in enumerate(mixed_samples):
+        alone = make_prompts(policy, [sample])
+        rows = (r.prompt_index == p).nonzero().flatten()
+        with torch.no_grad():
+            single = completion_logprobs(policy.family, policy.family.prompt_embeds(alone).select(torch.zeros_like(rows)),
+                                         r.completion_ids[rows], r.completion_mask[rows]).logprobs
+        assert torch.allclose(single, r.logprobs[rows], atol=1e-4), (sample["id"], (single - r.logprobs[rows]).abs().max())
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_consistency_check_can_fail(family, family_dirs, mixed_samples):
+    """The tiny models are sensitive enough for the test above to catch wrong positions or lost image features."""
+    policy = load_policy(family_dirs[family])
+    prompts = make_prompts(policy, mixed_samples[:2])
+    r = generate(policy, prompts, 2, 6, 1.0, generator=torch.Generator().manual_seed(1))
+    pe = policy.family.prompt_embeds(prompts).select(r.prompt_index)
+    shifted = type(pe)(pe.embeds, pe.attention_mask, pe.position_ids, pe.next_position + 1, pe.extras)
+    blind = type(pe)(torch.where(prompts.mm_token_type_ids[r.prompt_index, :, None].bool(), 0.0, pe.embeds),
+                     pe.attention_mask, pe.position_ids, pe.next_position, pe.extras)
+    wrongs = {"shifted positions": shifted, "no image features": blind}
+    if pe.extras:  # Qwen3-VL deepstack, Gemma 3 image-block attention
+        wrongs["no extras"] = type(pe)(pe.embeds, pe.attention_mask, pe.position_ids, pe.next_position, {})
+    with torch.no_grad():
+        for name, wrong in wrongs.items():
+            logp = completion_logprobs(policy.family, wrong, r.completion_ids, r.completion_mask).logprobs
+            assert (logp - r.logprobs).abs().max() > 1e-3, name
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_hooks_reproduce_the_models_own_forward(family, family_dirs, mixed_samples):
+    """Our prompt embeddings + positions + extras give the logits of transformers' forward (one unpadded prompt)."""
+    policy = load_policy(family_dirs[family])
+    for sample in mixed_samples:
+        batch = make_prompts(policy, [sample])
+        with torch.no_grad():
+            pe = policy.family.prompt_embeds(batch)
+            ours = policy.family.lm_head(policy.family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids,
+                                                                      extras=pe.extras))
+            theirs = policy.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                  **hf_inputs(family, batch)).logits
+        assert torch.allclose(ours, theirs, atol=1e-4), (sample["id"], (ours - theirs).abs().max())
+
+
+@pytest.mark.parametrize("family", sorted(HF_PROCESSORS))
+def test_placeholders_match_transformers_processor(family, family_dirs, mixed_samples):
+    import transformers
+
+    d = family_dirs[family]
+    policy = load_policy(d)
+    ours_proc = policy.processor
+    if family == "gemma3":
+        tok = transformers.AutoTokenizer.from_pretrained(d, extra_special_tokens=GEMMA3_TOKENS)
+        hf = transformers.Gemma3Processor(ours_proc.image_processor, tok, image_seq_length=4)
+    elif family.startswith("llava"):
+        hf = getattr(transformers, HF_PROCESSORS[family])(ours_proc.image_processor, ours_proc.tokenizer,
+                                                          patch_size=8, vision_feature_select_strategy="default",
+                                                          num_additional_image_tokens=1)
+    else:
+        hf = transformers.Idefics3Processor(ours_proc.image_processor, ours_proc.tokenizer, image_seq_len=4)
+    for sample in mixed_samples:
+        if not sample["images"]:
+            continue
+        ours = make_prompts(policy, [sample])
+        text = ours_proc.prompt_text(sample["problem"], len(sample["images"]))
+        theirs = hf(images=[sample["images"]], text=[text], return_tensors="pt", add_special_tokens=False)
+        assert ours.input_ids.tolist() == theirs["input_ids"].tolist(), sample["id"]
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_image_tokens_are_counted_and_prompts_never_truncated(family, family_dirs, mixed_samples):
+    policy = load_policy(family_dirs[family])
+    batch = make_prompts(policy, mixed_samples)
+    assert batch.mm_token_type_ids.sum(-1).tolist() == [
+        sum(batch.image_tokens[i] for i in batch.image_range([p])) for p in range(len(batch))]
+    before = policy.family.vision_calls
+    policy.family.prompt_embeds(batch)
+    assert policy.family.vision_calls - before == 4  # one vision pass per image
+    image_token = policy.processor.image_token
+    bad = {**mixed_samples[0], "id": "sneaky", "problem": f"count {image_token} please"}
+    with pytest.raises(ValueError, match="sneaky"):
+        make_prompts(policy, [mixed_samples[2], bad])
+    limit = int(batch.attention_mask[0].sum())  # fits "one"; "two" (two images) is longer
+    assert make_prompts(policy, mixed_samples[:1], max_prompt_length=limit).input_ids.shape[1] == limit
+    with pytest.raises(PromptTooLongError, match=f"'two'.*max_prompt_length={limit}"):
+        make_prompts(policy, mixed_samples[:2], max_prompt_length=limit)
+
+
+def test_pixel_budget_is_per_family(family_dirs, mixed_samples):
+    qwen = load_policy(family_dirs["qwen2_vl"], max_pixels=28 * 28)
+    assert make_prompts(qwen, mixed_samples[:1]).image_tokens == [1]  # 28x28 px = 2x2 patches = one merged token
+    smol = load_policy(family_dirs["smolvlm"], max_pixels=32 * 32)  # one tile: no splitting
+    assert make_prompts(smol, mixed_samples[:1]).image_tokens == [4]
+    with pytest.raises(ValueError, match="llava.*no pixel budget"):
+        load_policy(family_dirs["llava"], max_pixels=10_000)
+
+
+def test_tiny_qwen_prompt_is_the_chat_template(family_dirs):
+    proc = load_policy(family_dirs["qwen2_vl"]).processor
+    assert proc.prompt_text("How many?", 2) == ("<|im_start|>user\n" + "<|vision_start|><|image_pad|><|vision_end|>" * 2
+                                                + "How many?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_saved_processor_keeps_its_chat_template(family_dirs, tmp_path):
+    """A checkpoint's image-aware template wins over the tokenizer's, and survives save + load."""
+    policy = load_policy(family_dirs["llava"])
+    policy.processor.chat_template = ("{% for m in messages %}Q: {% for p in m['content'] %}{% if p['type'] == 'image' %}"
+                                      "<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %} A:")
+    policy.save_pretrained(tmp_path)
+    assert load_policy(tmp_path).processor.prompt_text("hi", 1) == "Q: <image>hi A:"

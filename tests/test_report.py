@@ -1,0 +1,157 @@
+"""`vlmrl report` on a real (tiny) run with a control and OOD splits: the files, the sections, and the page in a
+headless Chromium with every image loaded. Also the W&B extra's missing-package error."""
+
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from vlmrl.cli import main
+from vlmrl.eval.report import fmt, write_report
+
+SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
+         "model.tiny.intermediate_size=64", "model.tiny.vision_depth=1", "model.tiny.vision_dim=32",
+         "model.tiny.vision_heads=2", "model.tiny.vocab_size=400", "model.tiny.min_pixels=3136",
+         "model.tiny.max_pixels=7056", "data.train.n=40", "data.sft.n=16", "data.eval.n=6", "sft.steps=2",
+         "sft.batch_size=4", "rollout.prompts_per_step=2", "rollout.group_size=3", "rollout.max_new_tokens=6",
+         "eval.max_new_tokens=6", "trainer.threads=1", "trainer.steps=6", "trainer.eval_every=2",
+         "trainer.log_rollouts_every=2", "eval.samples=4", "control.steps=3",
+         "eval.ood={task: shapes_count, n: 4}"]
+SECTIONS = ("summary", "before-after", "baselines", "curves", "reflection", "gallery")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--hide-scrollbars"]
+
+
+@pytest.fixture(scope="module")
+def sweep_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("report") / "sweep"
+    assert main(["train", *SMALL, f"trainer.output_dir={root}", "--seeds", "2", "--control", "sft"]) == 0
+    return root
+
+
+@pytest.fixture(scope="module")
+def report(sweep_root):
+    assert main(["report", str(sweep_root)]) == 0
+    return sweep_root / "report" / "index.html"
+
+
+def test_run_directory_holds_tensorboard_jsonl_and_gallery_images(sweep_root):
+    run = sweep_root / "seed0"
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if r["phase"] == "train"]
+    assert len(train) == 6 and all({"accuracy", "response_length", "reward/accuracy/mean", "entropy",
+                                    "clip_fraction", "zero_variance_groups"} <= set(r) for r in train)
+    evals = [r for r in rows if r["phase"] == "eval"]
+    assert [r["step"] for r in evals] == [0, 2, 4, 6] and "sampled/pass@4" in evals[-1]
+    gallery = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    assert [g["step"] for g in gallery] == [1, 2, 4, 6]
+    for g in gallery:
+        assert (run / g["image"]).exists() and len(g["answers"]) == len(g["rewards"]) == len(g["correct"]) == 3
+
+
+def test_report_files_and_sections(report):
+    page = report.read_text()
+    for section in SECTIONS:
+        assert f'id="{section}"' in page
+    srcs = re.findall(r'<img[^>]*src="([^"]+)"', page)
+    assert {"eval_accuracy.png", "train_curves.png", "pass_at_k.png", "baselines.png"} <= set(srcs)
+    assert sum(s.startswith("gallery/") for s in srcs) == 3  # early, middle, late
+    for src in srcs:  # relative paths inside the report folder: self-contained
+        assert not src.startswith(("/", "file:", "http")) and (report.parent / src).stat().st_size > 100
+    assert "SFT control (same wall time)" in page and "How many" in page and "Mean ± std over 2 seeds" in page
+
+
+def test_fmt_reports_undefined():
+    assert fmt(None) == "undefined" and fmt(0.5, 0.1) == "50.0 ± 10.0" and fmt(2.0, None, pct=False) == "2.00"
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="chromium is not installed (.ci/run installs Debian's chromium)")
+def test_report_in_a_headless_browser(report, tmp_path):
+    """The page loads in Chromium, the load handler finds every <img> decoded (naturalWidth > 0), and the key
+    sections are in the rendered DOM; a screenshot is taken of it."""
+    url = report.resolve().as_uri()
+    base = [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*base, "--virtual-time-budget=10000", "--dump-dom", url], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    n_img = len(re.findall(r"<img\b", report.read_text()))
+    assert n_img >= 7
+    assert f'data-images-loaded="{n_img}/{n_img}"' in dom, re.findall(r"<body[^>]*>", dom)
+    for section in SECTIONS:
+        assert f'id="{section}"' in dom
+    shot = tmp_path / "shot.png"
+    subprocess.run([*base, "--window-size=1200,1600", f"--screenshot={shot}", url], capture_output=True,
+                   timeout=120, check=True)
+    from PIL import Image
+
+    image = Image.open(shot).convert("L")
+    assert image.size == (1200, 1600) and image.getextrema()[0] < 100  # not a blank page
+
+
+def test_broken_image_is_detected(report, tmp_path):
+    """The check can fail: a report whose gallery image is missing is flagged by the same load handler."""
+    if _chromium() is None:
+        pytest.skip("chromium is not installed (.ci/run installs Debian's chromium)")
+    copy = tmp_path / "copy"
+    shutil.copytree(report.parent, copy)
+    next((copy / "gallery").glob("*.png")).unlink()
+    base = [_chromium(), *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([*base, "--virtual-time-budget=10000", "--dump-dom", (copy / "index.html").as_uri()],
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    n_img = len(re.findall(r"<img\b", (copy / "index.html").read_text()))
+    assert f'data-images-loaded="{n_img - 1}/{n_img}"' in dom
+
+
+def test_report_of_one_run_and_of_several(sweep_root, tmp_path):
+    one = write_report([sweep_root / "seed0"])
+    assert one == sweep_root / "seed0" / "report" / "index.html" and "Mean ± std" not in one.read_text()
+    both = write_report([sweep_root / "seed0", sweep_root / "seed1"], tmp_path / "out")
+    assert "over 2 seeds" in both.read_text()
+
+
+def test_report_names_a_missing_run(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="no such run directory"):
+        write_report([tmp_path / "nope"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")
+def test_wandb_without_the_package_names_the_extra(tmp_path):
+    from vlmrl.trainer.logger import MetricsLogger
+
+    with pytest.raises(ImportError, match=r"pip install 'vlmrl\[wandb\]'"):
+        MetricsLogger(Path(tmp_path), tensorboard=False, wandb_project="demo")
+
+
+def test_gallery_shows_judge_feedback_and_undefined_ratios(tmp_path):
+    """A hand-written run directory: the gallery shows each answer's reward, mark and judge feedback; a reflection
+    ratio logged as null reads 'undefined'."""
+    from PIL import Image
+
+    run = tmp_path / "run"
+    (run / "gallery").mkdir(parents=True)
+    Image.new("RGB", (56, 56), "white").save(run / "gallery/step1-a.png")
+    ev = {"greedy/accuracy": 0.25, "sampled/accuracy": 0.2, "sampled/reflection/share": 0.0,
+          "sampled/reflection/accuracy_reflective": None}
+    rows = [{"phase": "eval", "step": 0, **ev}, {"phase": "train", "step": 1, "accuracy": 0.5},
+            {"phase": "eval", "step": 1, **ev, "greedy/accuracy": 0.75}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    entry = {"step": 1, "id": "a", "problem": "How many red shapes?", "solution": "3", "image": "gallery/step1-a.png",
+             "answers": ["<answer>3</answer>", "<answer>4</answer>"], "rewards": [1.0, 0.0], "correct": [True, False],
+             "components": {"judge": [1.0, 0.0]},
+             "details": {"judge": [{"verdict": "correct", "score": 1.0, "reasons": ["three red squares"]},
+                                   {"verdict": "wrong", "score": 0.0, "reasons": ["counted the red circle twice"]}]}}
+    (run / "rollouts.jsonl").write_text(json.dumps(entry) + "\n")
+    page = write_report([run]).read_text()
+    assert "counted the red circle twice" in page and "judge: correct · 1.0 · three red squares" in page
+    assert "&lt;answer&gt;4&lt;/answer&gt;" in page and "✗" in page and "✓" in page
+    assert "+50.0" in page  # greedy accuracy 25% -> 75%
+    assert re.search(r"accuracy_reflective</td><td>undefined</td><td>undefined", page)

@@ -1,0 +1,163 @@
+"""Pure evaluation metrics: pass@k, majority vote, reflection words. No torch, no model: lists in, numbers out.
+
+These follow MAYE's evaluation scheme (pass@k, mean@n, maj@n, reflection ratios) with two of its shortcuts fixed:
+pass@k is the unbiased estimator over n >= k samples (not "any of k samples right"), and reflection words are
+matched on word boundaries (so "await" is not "wait").
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vlmrl.rewards.parsing import match_answer_block, normalize_text, parse_number
+
+# MAYE's list of reflection words (matched case-insensitively, on word boundaries); `eval.reflection_words` replaces it
+REFLECTION_WORDS: tuple[str, ...] = (
+    "re-check", "re-evaluate", "re-examine", "re-think", "recheck", "reevaluate", "reexamine", "reevaluation",
+    "rethink", "check again", "think again", "try again", "verify", "wait", "yet",
+)
+
+
+# ------------------------------------------------------------------------------------------------ pass@k, mean, maj
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct (Chen et al., 2021):
+
+        pass@k = 1 - C(n - c, k) / C(n, k)
+
+    the probability that k answers drawn without replacement from the n include a correct one. Exact integer
+    binomials, so no float cancellation. n == k gives 1.0 if c > 0 else 0.0 (the "any of n" rate); k > n is an error.
+    """
+    if not (0 <= c <= n) or k < 1:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n and k >= 1, got n={n}, c={c}, k={k}")
+    if k > n:
+        raise ValueError(f"pass_at_k: k={k} needs at least k samples per prompt, got n={n}; sample more (eval n)")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def mean_pass_at_k(correct: Sequence[Sequence[bool]], k: int) -> float:
+    """pass@k averaged over prompts; `correct[i]` holds the correctness of prompt i's n answers."""
+    if not correct:
+        raise ValueError("mean_pass_at_k: no prompts")
+    return sum(pass_at_k(len(c), sum(map(bool, c)), k) for c in correct) / len(correct)
+
+
+def answer_key(text: str, truncated: bool = False, answer_type: str | None = None) -> str | None:
+    """What a completion votes for in maj@n: the content of a well-formed answer block (the strict rule the
+    accuracy reward uses: one `<answer>...</answer>`, whitespace around, not truncated), normalised: a number as its
+    value ("3", "3.0", "3 shapes" -> "3"), text by `normalize_text`. None (abstain) for a malformed answer."""
+    if truncated:
+        return None
+    content = match_answer_block(text, think=None)
+    if content is None or not content.strip():
+        return None
+    if answer_type == "number":
+        value = parse_number(content)
+        return None if value is None else repr(float(value))
+    if answer_type == "box":
+        return " ".join(content.split())
+    return normalize_text(content)
+
+
+def majority_vote(keys: Sequence[str | None], correct: Sequence[bool]) -> bool:
+    """maj@n for one prompt: whether the most frequent non-None answer key is correct.
+
+    A tie goes to the key that appears first. The voted answer's correctness is that of its first occurrence (equal
+    keys are graded equally). Every answer abstaining (None) counts as wrong.
+    """
+    if len(keys) != len(correct):
+        raise ValueError(f"majority_vote: {len(keys)} keys for {len(correct)} correctness flags")
+    counts = Counter(k for k in keys if k is not None)
+    if not counts:
+        return False
+    best = max(counts.values())
+    winner = next(k for k in keys if k is not None and counts[k] == best)
+    return bool(correct[keys.index(winner)])
+
+
+# ------------------------------------------------------------------------------------------------ reflection
+
+
+def reflection_pattern(words: Sequence[str]) -> re.Pattern:
+    """One case-insensitive regex matching any of `words` on word boundaries: not preceded or followed by a letter,
+    digit or underscore. A space inside a phrase matches any whitespace ("check  again")."""
+    if not words:
+        raise ValueError("reflection words: the list is empty; give at least one word or phrase")
+    parts = [r"\s+".join(re.escape(p) for p in w.strip().split()) for w in sorted(set(words), key=len, reverse=True)]
+    return re.compile(r"(?<!\w)(?:" + "|".join(parts) + r")(?!\w)", re.IGNORECASE)
+
+
+def reflection_words_in(text: str, words: Sequence[str]) -> Counter:
+    """Occurrences of each word of `words` in `text` (word-boundary, case-insensitive), keyed by the listed word."""
+    canon = {" ".join(w.lower().split()): w for w in words}
+    found = reflection_pattern(words).findall(text)
+    return Counter(canon[" ".join(m.lower().split())] for m in found)
+
+
+def _ratio(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+@dataclass
+class ReflectionCounts:
+    """Pooled counts over answers; add batches with `add`, read the ratios with `ratios` (never averaged per batch).
+
+    reflective = the answer contains at least one reflection word."""
+
+    words: tuple[str, ...] = REFLECTION_WORDS
+    answers: int = 0
+    correct: int = 0
+    reflective: int = 0
+    reflective_correct: int = 0
+    occurrences: Counter = field(default_factory=Counter)  # word -> total matches
+    answers_with: Counter = field(default_factory=Counter)  # word -> answers containing it
+
+    def add(self, texts: Sequence[str], correct: Sequence[bool]) -> list[bool]:
+        """Count a batch; returns whether each answer is reflective."""
+        if len(texts) != len(correct):
+            raise ValueError(f"reflection counts: {len(texts)} answers for {len(correct)} correctness flags")
+        flags = []
+        for text, ok in zip(texts, correct, strict=True):
+            found = reflection_words_in(text, self.words)
+            self.occurrences.update(found)
+            self.answers_with.update(found.keys())
+            r = bool(found)
+            self.answers += 1
+            self.correct += bool(ok)
+            self.reflective += r
+            self.reflective_correct += r and bool(ok)
+            flags.append(r)
+        return flags
+
+    def ratios(self) -> dict[str, float | None]:
+        """MAYE's five ratios from the pooled counts; None where the denominator is empty (undefined, not 0):
+
+        share            = reflective / answers
+        share_correct    = reflective∧correct / correct
+        share_incorrect  = reflective∧incorrect / incorrect
+        accuracy_reflective     = reflective∧correct / reflective
+        accuracy_nonreflective  = non-reflective∧correct / non-reflective
+        """
+        incorrect = self.answers - self.correct
+        nonreflective = self.answers - self.reflective
+        return {
+            "share": _ratio(self.reflective, self.answers),
+            "share_correct": _ratio(self.reflective_correct, self.correct),
+            "share_incorrect": _ratio(self.reflective - self.reflective_correct, incorrect),
+            "accuracy_reflective": _ratio(self.reflective_correct, self.reflective),
+            "accuracy_nonreflective": _ratio(self.correct - self.reflective_correct, nonreflective),
+        }
+
+    def frequencies(self) -> dict[str, dict[str, float | int | None]]:
+        """Per word: total occurrences, answers containing it, and that as a share of all answers."""
+        return {w: {"occurrences": self.occurrences[w], "answers": self.answers_with[w],
+                    "share": _ratio(self.answers_with[w], self.answers)} for w in self.words}
+
+    def counts(self) -> dict[str, int]:
+        return {"answers": self.answers, "correct": self.correct, "reflective": self.reflective,
+                "reflective_correct": self.reflective_correct}

@@ -1,0 +1,256 @@
+"""`vlmrl report RUN_DIR [RUN_DIR ...]`: a self-contained HTML page (index.html + PNGs in one folder) that shows
+how a model learned: a before/after table, the start/RL/control table on in-distribution and OOD splits, learning
+curves with seed bands, pass@k, reflection ratios, and a rollout gallery from early, middle and late steps.
+
+Images are files beside index.html, referenced by relative paths, so the folder can be zipped or served as is.
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import shutil
+from pathlib import Path
+
+from vlmrl.eval import plots
+from vlmrl.eval.runs import Run, discover, load_run, mean_std
+
+REFLECTION_RATIOS = ("share", "share_correct", "share_incorrect", "accuracy_reflective", "accuracy_nonreflective")
+ARM_NAMES = {"start": "start (after SFT)", "rl": "RL", "control_sft": "SFT control (same wall time)"}
+
+
+def fmt(mean: float | None, std: float | None = None, pct: bool = True) -> str:
+    """'63.3 ± 2.1' (percent) or 'undefined' when there is no value."""
+    if mean is None:
+        return "undefined"
+    scale, digits = (100.0, 1) if pct else (1.0, 2)
+    value = scale * mean
+    text = f"{value if abs(value) >= 0.5 * 10 ** -digits else 0.0:.{digits}f}"  # no "-0.00"
+    return text + (f" ± {scale * std:.{digits}f}" if std is not None else "")
+
+
+def _is_rate(key: str) -> bool:
+    return not key.endswith(("mean_length", "/n", "samples_per_prompt", "mean_reward"))
+
+
+def before_after(runs: list[Run]) -> list[tuple[str, str, str, str]]:
+    """Rows (metric, start, final, change) from each run's first and last eval rows, mean ± std over seeds."""
+    firsts = [r.evals()[0] for r in runs if r.evals()]
+    lasts = [r.evals()[-1] for r in runs if r.evals()]
+    if not firsts:
+        return []
+    # pass@1 and mean@n equal accuracy, so they are not repeated
+    keys = [k for k in firsts[0] if k.startswith(("greedy/", "sampled/")) and "/task/" not in k
+            and not k.endswith(("/n", "samples_per_prompt", "/pass@1")) and "reflection/" not in k
+            and "/mean@" not in k]
+    keys += [k for k in firsts[0] if k.endswith("reflection/share")]
+    rows = []
+    for key in keys:
+        pct = _is_rate(key)
+        a = [f.get(key) for f in firsts]
+        b = [f.get(key) for f in lasts]
+        diff = [y - x for x, y in zip(a, b, strict=True) if x is not None and y is not None]
+        ds = mean_std(diff)
+        change = fmt(*ds, pct=pct)
+        rows.append((key, fmt(*mean_std(a), pct=pct), fmt(*mean_std(b), pct=pct),
+                     ("+" if ds[0] is not None and ds[0] > 0 else "") + change))
+    return rows
+
+
+def baselines_table(runs: list[Run], key: str = "greedy/accuracy") -> dict[str, dict[str, tuple]]:
+    """split -> arm -> (mean, std) of `key` over the runs that have baselines.json."""
+    with_b = [r.baselines for r in runs if r.baselines]
+    if not with_b:
+        return {}
+    table: dict[str, dict[str, tuple]] = {}
+    splits = {"in-distribution": [b["in_distribution"] for b in with_b]}
+    for name in with_b[0].get("ood", {}):
+        splits[name] = [b["ood"].get(name, {}) for b in with_b]
+    for split, per_run in splits.items():
+        arms = list(dict.fromkeys(a for arms in per_run for a in arms))
+        table[split] = {a: mean_std([arms.get(a, {}).get(key) for arms in per_run]) for a in arms}
+    return table
+
+
+def _table(header: list[str], rows: list[tuple], cls: str = "") -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f'<table class="{cls}"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+
+
+def gallery_entries(run: Run) -> list[tuple[str, dict]]:
+    """The first, middle and last rollout-gallery entries of a run, labelled early / middle / late."""
+    entries = sorted(run.rollouts, key=lambda e: e.get("step", 0))
+    if not entries:
+        return []
+    picks = {"early": 0, "middle": len(entries) // 2, "late": len(entries) - 1}
+    seen, out = set(), []
+    for label, i in picks.items():
+        if i not in seen:
+            seen.add(i)
+            out.append((label, entries[i]))
+    return out
+
+
+def feedback_text(component: str, detail) -> str:
+    """One answer's reward details as a line: a judge's verdict, score and reasons, or its error; else as text."""
+    if detail is None:
+        return ""
+    if isinstance(detail, dict):
+        if detail.get("skipped"):
+            return f"{component}: skipped ({detail['skipped']})"
+        reasons = detail.get("reasons") or []
+        bits = [str(detail[k]) for k in ("verdict", "score") if detail.get(k) is not None]
+        bits += [str(r) for r in (reasons if isinstance(reasons, list) else [reasons])]
+        if detail.get("error"):
+            bits.append(f"error: {detail['error']}")
+        return f"{component}: " + " · ".join(bits) if bits else ""
+    return f"{component}: {detail}"
+
+
+def gallery_html(run: Run, out: Path) -> str:
+    cards = []
+    for label, e in gallery_entries(run):
+        img = ""
+        if isinstance(e.get("image"), str) and (run.path / e["image"]).exists():
+            rel = Path("gallery") / f"{run.name}-{Path(e['image']).name}"
+            (out / "gallery").mkdir(exist_ok=True)
+            shutil.copyfile(run.path / e["image"], out / rel)
+            img = f'<img class="scene" src="{rel.as_posix()}" alt="image of {html.escape(str(e.get("id", "")))}">'
+        answers = []
+        correct = e.get("correct") or [None] * len(e.get("answers", []))
+        for j, (text, reward) in enumerate(zip(e.get("answers", []), e.get("rewards", []), strict=False)):
+            ok = correct[j] if j < len(correct) else None
+            mark = {True: "✓", False: "✗"}.get(ok, "")
+            parts = ", ".join(f"{k} {v:.2f}" if isinstance(v, (int, float)) else f"{k} n/a"
+                              for k, v in ((k, vs[j]) for k, vs in (e.get("components") or {}).items()))
+            note = "; ".join(filter(None, (feedback_text(k, v[j]) for k, v in (e.get("details") or {}).items()
+                                           if j < len(v))))
+            answers.append(
+                f'<tr class="{"ok" if ok else "bad" if ok is False else ""}"><td class="mark">{mark}</td>'
+                f"<td><code>{html.escape(text) or '<em>(empty)</em>'}</code></td><td>{reward:.2f}</td>"
+                f"<td>{html.escape(parts)}</td>" + (f"<td>{html.escape(note)}</td>" if e.get("details") else "")
+                + "</tr>")
+        cards.append(
+            f'<div class="card"><h3>{label}: step {e.get("step")}</h3><div class="card-body">{img}<div>'
+            f"<p><b>Question:</b> {html.escape(str(e.get('problem', '')))}<br><b>Solution:</b> "
+            f"<code>{html.escape(str(e.get('solution', '')))}</code></p>"
+            f"<table class='answers'><thead><tr><th></th><th>sampled answer</th><th>reward</th><th>components</th>"
+            + ("<th>reward details (judge feedback)</th>" if e.get("details") else "")
+            + f"</tr></thead><tbody>{''.join(answers)}</tbody></table></div></div></div>")
+    if not cards:
+        return "<p>No rollout gallery in this run (trainer.log_rollouts_every = 0).</p>"
+    return f"<p>Sampled answers for one training prompt, from run <code>{html.escape(run.name)}</code>.</p>" + \
+        "".join(cards)
+
+
+def reflection_rows(runs: list[Run]) -> list[tuple[str, str, str]]:
+    firsts = [r.evals()[0] for r in runs if r.evals()]
+    lasts = [r.evals()[-1] for r in runs if r.evals()]
+    rows = []
+    for ratio in REFLECTION_RATIOS:
+        key = f"sampled/reflection/{ratio}"
+        if firsts and key in firsts[0]:
+            rows.append((ratio, fmt(*mean_std([f.get(key) for f in firsts])),
+                         fmt(*mean_std([f.get(key) for f in lasts]))))
+    return rows
+
+
+def run_info(runs: list[Run]) -> list[tuple[str, str]]:
+    cfg = runs[0].config
+    g = lambda *path: _get(cfg, path)  # noqa: E731
+    train = g("data", "train")
+    task = train.get("task") or train.get("path") if isinstance(train, dict) else str(train)
+    walls = [r.series("summary", "wall_seconds") for r in runs]
+    wall = [next(iter(w.values())) for w in walls if w]
+    rows = [("runs", ", ".join(r.name for r in runs)), ("seeds", ", ".join(str(_get(r.config, ("trainer", "seed")))
+                                                                          for r in runs)),
+            ("model", str(g("model", "name_or_path"))), ("training data", str(task)),
+            ("algorithm", f"{g('algorithm', 'advantage')} advantages, {g('algorithm', 'policy_loss')} loss"),
+            ("rollout", f"{g('rollout', 'prompts_per_step')} prompts × G={g('rollout', 'group_size')} answers, "
+                        f"temperature {g('rollout', 'temperature')}"),
+            ("RL steps, lr", f"{g('trainer', 'steps')}, {g('trainer', 'lr')}")]
+    if wall:
+        m, sd = mean_std(wall)
+        rows.append(("wall time per run", f"{m:.0f} s" + (f" ± {sd:.0f}" if sd is not None else "")))
+    return rows
+
+
+def _get(cfg: dict, path: tuple):
+    for p in path:
+        cfg = cfg.get(p, {}) if isinstance(cfg, dict) else {}
+    return cfg if cfg != {} else "?"
+
+
+STYLE = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:24px auto;padding:0 16px;color:#222}
+h1{margin-bottom:4px}h2{border-bottom:1px solid #ddd;padding-bottom:4px;margin-top:32px}
+table{border-collapse:collapse;margin:8px 0}td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;font-size:14px}
+th{background:#f5f5f5}img.plot{max-width:100%;border:1px solid #eee;margin:6px 0}
+.card{border:1px solid #ddd;border-radius:6px;padding:8px 12px;margin:12px 0}.card-body{display:flex;gap:16px}
+img.scene{width:168px;height:168px;image-rendering:pixelated;border:1px solid #ccc;flex:none}
+tr.ok td.mark{color:#080}tr.bad td.mark{color:#c00}.answers td{font-size:13px}code{font-size:13px}
+img.broken{outline:3px solid red}.note{color:#555;font-size:13px}"""
+
+SCRIPT = """<script>
+window.addEventListener('load', function () {
+  var imgs = Array.prototype.slice.call(document.images);
+  var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; });
+  imgs.forEach(function (i) { if (ok.indexOf(i) < 0) { i.classList.add('broken'); } });
+  document.body.setAttribute('data-images-loaded', ok.length + '/' + imgs.length);
+});
+</script>"""
+
+
+def write_report(paths: list[str | Path], out: str | Path | None = None) -> Path:
+    """Write `out/index.html` (default: RUN_DIR/report, or the common parent's report/ for several runs) with its
+    PNGs; returns the path of index.html."""
+    run_dirs = discover(paths)
+    runs = [load_run(p) for p in run_dirs]
+    if out is None:
+        out = Path(paths[0]) / "report" if len(paths) == 1 else Path(os.path.commonpath(run_dirs)) / "report"
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    figures = [(plots.eval_curves(runs, out), "Held-out accuracy against generation steps. Band: min to max over "
+                "seeds. The SFT control's evaluations sit at the RL step with the same share of the wall-time "
+                "budget."),
+               (plots.pass_at_k_plot(runs, out), "pass@k (unbiased estimator over n samples per prompt) at the "
+                "start and at the end of RL; error bars: std over seeds."),
+               (plots.train_curves(runs, out), "Training metrics at every generation step.")]
+    btable = baselines_table(runs)
+    bplot = plots.baselines_plot(btable, out)
+    title = f"vlmrl report: {', '.join(r.name for r in runs[:4])}{' ...' if len(runs) > 4 else ''}"
+    parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+             f"<style>{STYLE}</style></head><body>", f"<h1>{html.escape(title)}</h1>",
+             '<section id="summary"><h2>Run</h2>' + _table(["setting", "value"], run_info(runs)) + "</section>"]
+    ba = before_after(runs)
+    seeds_note = f" Mean ± std over {len(runs)} seeds." if len(runs) > 1 else ""
+    parts.append('<section id="before-after"><h2>Before and after RL</h2><p class="note">Held-out set, first and '
+                 f"last evaluation of each run (greedy = temperature 0).{seeds_note}</p>"
+                 + (_table(["metric", "after SFT (start)", "after RL", "change"], ba) if ba else "<p>No evaluations"
+                    " logged.</p>") + "</section>")
+    if btable:
+        splits = list(btable)
+        arms = list(dict.fromkeys(a for s in splits for a in btable[s]))
+        rows = [(ARM_NAMES.get(a, a), *[fmt(*btable[s].get(a, (None, None))) for s in splits]) for a in arms]
+        parts.append('<section id="baselines"><h2>What RL adds beyond more training</h2><p class="note">Greedy '
+                     "accuracy of the SFT start, the RL run, and continued SFT from the same start on the same "
+                     f"labelled data for the same training wall time, in-distribution and out of distribution."
+                     f"{seeds_note}</p>" + _table(["", *splits], rows)
+                     + (f'<img class="plot" src="{bplot.name}" alt="baselines">' if bplot else "") + "</section>")
+    parts.append('<section id="curves"><h2>Learning curves</h2>')
+    for fig, caption in figures:
+        if fig is not None:
+            parts.append(f'<figure><img class="plot" src="{fig.name}" alt="{fig.stem}"><figcaption class="note">'
+                         f"{html.escape(caption)}</figcaption></figure>")
+    parts.append("</section>")
+    refl = reflection_rows(runs)
+    if refl:
+        parts.append('<section id="reflection"><h2>Reflection</h2><p class="note">Answers holding a reflection word '
+                     "(matched on word boundaries), sampled evaluation, from pooled counts. "
+                     "<i>undefined</i>: the ratio's denominator is empty.</p>"
+                     + _table(["ratio", "after SFT (start)", "after RL"], refl) + "</section>")
+    parts.append('<section id="gallery"><h2>Rollout gallery</h2>' + gallery_html(runs[0], out) + "</section>")
+    parts.append(SCRIPT + "</body></html>")
+    index = out / "index.html"
+    index.write_text("\n".join(parts), encoding="utf-8")
+    return index

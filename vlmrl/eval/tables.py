@@ -1,0 +1,61 @@
+"""Plain-text tables of evaluation results for the console (the CLI prints them; nothing here prints)."""
+
+from __future__ import annotations
+
+from vlmrl.eval.report import ARM_NAMES, REFLECTION_RATIOS
+
+
+def _cell(v, pct: bool = True) -> str:
+    if v is None:
+        return "undefined"
+    if isinstance(v, float) and pct:
+        return f"{100 * v:.1f}%"
+    return f"{v:.2f}" if isinstance(v, float) else str(v)
+
+
+def _grid(header: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(row: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, rows)])
+
+
+def eval_table(results: dict[str, dict]) -> str:
+    """`vlmrl eval` results ({"T=0.6": evaluate(...) output}) as tables: accuracy metrics per temperature, then the
+    per-task breakdown and the reflection ratios."""
+    labels = list(results)
+    keys = list(dict.fromkeys(k for res in results.values() for k in res["metrics"]
+                              if not k.startswith(("task/", "reflection/"))))
+    pct = lambda k: k not in ("mean_length", "n", "samples_per_prompt", "mean_reward")  # noqa: E731
+    rows = [[k, *[_cell(results[t]["metrics"].get(k, "-"), pct(k)) if k in results[t]["metrics"] else "-"
+                  for t in labels]] for k in keys]
+    out = [_grid(["metric", *labels], rows)]
+    tasks = list(dict.fromkeys(t for res in results.values() for t in res.get("per_task", {})))
+    if len(tasks) > 1:
+        rows = [[t, *[_cell(results[label]["per_task"].get(t, {}).get("accuracy")) for label in labels]]
+                for t in tasks]
+        out += ["", _grid(["accuracy per task", *labels], rows)]
+    rows = [[r, *[_cell(results[t]["reflection"]["ratios"][r]) for t in labels]] for r in REFLECTION_RATIOS]
+    out += ["", _grid(["reflection (pooled)", *labels], rows)]
+    return "\n".join(out)
+
+
+def baselines_table_text(baselines: dict, key: str = "greedy/accuracy") -> str:
+    """One run's baselines.json as arms x splits of `key`."""
+    splits = {"in-distribution": baselines["in_distribution"], **baselines.get("ood", {})}
+    arms = list(dict.fromkeys(a for per in splits.values() for a in per))
+    rows = [[ARM_NAMES.get(a, a), *[_cell(per.get(a, {}).get(key)) for per in splits.values()]] for a in arms]
+    return _grid([key, *splits], rows)
+
+
+def seeds_table_text(seeds: dict, key: str = "greedy/accuracy") -> str:
+    """seeds.json: mean ± std (max) of `key` for each split and arm (or start/final without baselines)."""
+    m = seeds["metrics"]
+    rows = []
+    for name, stats in m.items():
+        if name.endswith("/" + key) and stats["mean"] is not None:
+            std = f" ± {100 * stats['std']:.1f}" if stats["std"] is not None else ""
+            rows.append([name[: -len(key) - 1], f"{100 * stats['mean']:.1f}{std}", f"{100 * stats['max']:.1f}"])
+    return _grid([f"{key} over seeds {seeds['seeds']}", "mean ± std", "max"], rows)

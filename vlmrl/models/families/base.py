@@ -1,0 +1,254 @@
+"""The interface every model family implements: a processor (text side) and model-side hooks.
+
+A family is one small module that subclasses `VLProcessor` and `VLFamily` and overrides what differs:
+
+- processor: the chat template used when the tokenizer has none, the image marker the template writes and the
+  placeholder span that replaces it (`placeholders`), the image tensors (`process_images`), the pixel budget;
+- model: the image features in placeholder order (`image_features`), the position ids (`positions`, 1-D cumsum of
+  the attention mask by default), and anything the language model needs besides embeddings (`forward_hidden`).
+
+Everything else — chat rendering, placeholder expansion, tokenisation with left padding, the no-truncation rule and the
+image-token count check — is shared here, so generation and the training forward see one preprocessing path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vlmrl.models.batch import PromptBatch, PromptEmbeds, PromptTooLongError
+
+PROCESSOR_FILE = "vlmrl_processor.json"
+
+
+@dataclass
+class ImageInputs:
+    """What a family's image processor makes of a flat list of images."""
+
+    vision: dict[str, Tensor]  # tensors stacked over images (see PromptBatch.vision)
+    vision_rows: dict[str, list[int]]  # rows of each image in each tensor
+    placeholders: list[str]  # the text that replaces each image's marker
+    tokens: list[int]  # placeholder tokens (= feature vectors) of each image
+
+
+def read_chat_template(path: str | Path) -> str | None:
+    """The processor chat template shipped with a checkpoint (chat_template.jinja or chat_template.json, in a folder or
+    a hub repository), if any: VLM repositories keep their image-aware template there, not in the tokenizer."""
+    from transformers.utils import cached_file
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        file = cached_file(str(path), name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+        if file:
+            text = Path(file).read_text()
+            return json.loads(text).get("chat_template") if name.endswith(".json") else text
+    return None
+
+
+class VLProcessor:
+    """Tokenizer + image processor of one family: samples in, a left-padded `PromptBatch` out."""
+
+    family = ""  # registry name, written to vlmrl_processor.json
+    image_marker = ""  # what the chat template writes for one image
+    image_token = ""  # the placeholder token whose embeddings image features replace
+    end_tokens: tuple[str, ...] = ()  # end-of-turn tokens; generation stops at them (the first one ends SFT targets)
+    builtin_template = ""  # used when neither the tokenizer nor the checkpoint folder has a chat template
+    image_processor_class = ""  # a transformers image processor that needs no torchvision
+
+    def __init__(self, tokenizer, image_processor, system_prompt: str | None = None, config=None,
+                 chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.system_prompt = system_prompt
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None) or self.builtin_template
+        if self.image_token not in tokenizer.get_vocab():
+            raise ValueError(f"the tokenizer has no {self.image_token!r} token, which the {self.family} family puts "
+                             f"where image features go: is this the tokenizer of a {self.family} model?")
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        if config is None and type(self).options_from_config is not VLProcessor.options_from_config:
+            raise ValueError(f"{type(self).__name__} needs the model config (config=...) for its placeholder counts")
+        self.options = self.options_from_config(config) if config is not None else {}
+
+    # -- construction and saving ---------------------------------------------------------------------------------
+    def options_from_config(self, config) -> dict:
+        """Model-config values the placeholder expansion needs (e.g. tokens per image); saved with the processor."""
+        return {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config=None, **kwargs) -> VLProcessor:
+        import transformers
+        from transformers import AutoConfig, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        image_processor = getattr(transformers, cls.image_processor_class).from_pretrained(path, **kwargs)
+        if config is None:
+            config = AutoConfig.from_pretrained(path, **kwargs)
+        return cls(tokenizer, image_processor, config=config, chat_template=read_chat_template(path))
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.tokenizer.save_pretrained(path)
+        self.image_processor.save_pretrained(path)
+        (Path(path) / "chat_template.jinja").write_text(self.chat_template)  # ours, over any text-only template
+        (Path(path) / PROCESSOR_FILE).write_text(json.dumps({"family": self.family, "options": self.options}))
+
+    def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
+        """Apply model.min_pixels / model.max_pixels; the same processor feeds generation and training."""
+        if min_pixels or max_pixels:
+            raise ValueError(f"model.min_pixels/model.max_pixels: the {self.family} family resizes images to a fixed "
+                             f"size and has no pixel budget; remove these keys")
+
+    # -- the text side ---------------------------------------------------------------------------------------------
+    def prompt_text(self, problem: str, n_images: int) -> str:
+        """The chat-formatted prompt: one user turn with the images first, then the problem; generation prompt on."""
+        content = [{"type": "image"}] * n_images + [{"type": "text", "text": problem}]
+        messages = [{"role": "user", "content": content}]
+        if self.system_prompt:
+            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": self.system_prompt}]})
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def process_images(self, images: list) -> ImageInputs:
+        raise NotImplementedError
+
+    def expand(self, text: str, placeholders: list[str], sample_id: str) -> str:
+        """Replace the i-th image marker of `text` with `placeholders[i]`."""
+        parts = text.split(self.image_marker)
+        if len(parts) != len(placeholders) + 1:
+            raise ValueError(f"sample {sample_id!r}: the prompt holds {len(parts) - 1} image markers "
+                             f"'{self.image_marker}' for {len(placeholders)} images; does the problem text contain "
+                             f"'{self.image_marker}'? Remove it (images are placed by the chat template)")
+        out = parts[0]
+        for ph, part in zip(placeholders, parts[1:], strict=True):
+            out += ph + part
+        return out
+
+    def __call__(self, problems: list[str], images: list[list], sample_ids: list[str],
+                 max_prompt_length: int | None = None) -> PromptBatch:
+        texts = [self.prompt_text(p, len(ims)) for p, ims in zip(problems, images, strict=True)]
+        flat = [im for ims in images for im in ims]
+        inputs = self.process_images(flat) if flat else ImageInputs({}, {}, [], [])
+        start = 0
+        for i, ims in enumerate(images):
+            texts[i] = self.expand(texts[i], inputs.placeholders[start:start + len(ims)], sample_ids[i])
+            start += len(ims)
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        input_ids, mask = enc["input_ids"], enc["attention_mask"]
+        if max_prompt_length is not None:
+            for sid, n in zip(sample_ids, mask.sum(-1).tolist(), strict=True):
+                if n > max_prompt_length:
+                    # Never truncate: a cut inside an image placeholder span misaligns features and tokens.
+                    raise PromptTooLongError(
+                        f"sample {sid!r}: prompt is {n} tokens (images included), over max_prompt_length="
+                        f"{max_prompt_length}; raise data.max_prompt_length or lower the pixel budget "
+                        f"(model.max_pixels)")
+        mm = (input_ids == self.image_token_id).long()
+        start = 0
+        for i, ims in enumerate(images):
+            expected = sum(inputs.tokens[start:start + len(ims)])
+            start += len(ims)
+            if int(mm[i].sum()) != expected:
+                raise ValueError(f"sample {sample_ids[i]!r}: {int(mm[i].sum())} image placeholder tokens "
+                                 f"'{self.image_token}' but its images give {expected} features: does the problem "
+                                 f"text contain '{self.image_token}'?")
+        return PromptBatch(list(sample_ids), input_ids, mask, mm, inputs.vision, inputs.vision_rows,
+                           [len(i) for i in images], inputs.tokens)
+
+
+def unwrap_peft(model):
+    """The transformers model inside a PEFT wrapper (LoRA layers are injected in place, so hooks see them)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+class VLFamily:
+    """Model-side hooks: prompt embeddings with image features in place, positions, the language model body."""
+
+    language_attr = "language_model"  # the decoder, an attribute of model.model
+    vision_prefixes: tuple[str, ...] = ()  # parameter-name prefixes of the vision tower (projector excluded)
+    projector_prefixes: tuple[str, ...] = ()  # parameter-name prefixes of the vision-to-text projector
+
+    def __init__(self, model):
+        self.model = unwrap_peft(model)
+        self.vision_calls = 0  # images run through the vision tower (one pass per prompt image, issue 8)
+        # forwards on CUDA run under bf16 autocast (model.autocast: false turns it off); CPU runs in the weights' dtype
+        self.autocast_dtype: torch.dtype | None = torch.bfloat16
+
+    @property
+    def inner(self):
+        return self.model.model
+
+    @property
+    def language_model(self):
+        return getattr(self.inner, self.language_attr)
+
+    def lm_head(self, hidden: Tensor) -> Tensor:
+        """Next-token logits from final hidden states (under the same autocast as the body)."""
+        with self.autocast():
+            return self.model.lm_head(hidden)
+
+    @property
+    def device(self) -> torch.device:
+        return self.inner.get_input_embeddings().weight.device
+
+    def autocast(self):
+        if self.autocast_dtype is None or self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return torch.autocast("cuda", dtype=self.autocast_dtype)
+
+    def embed_tokens(self, ids: Tensor) -> Tensor:
+        return self.inner.get_input_embeddings()(ids)
+
+    def image_features(self, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """Features [n_placeholder_tokens, H] of all images, in placeholder order, and per-prompt extras."""
+        raise NotImplementedError
+
+    def positions(self, batch: PromptBatch, ids: Tensor, mask: Tensor) -> Tensor:
+        """[3, P, L] positions: the cumulative count of real tokens (left padding gets 0), the same in all rows."""
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return pos.unsqueeze(0).expand(3, -1, -1)
+
+    def text_positions(self, position_ids: Tensor) -> Tensor:
+        """What the language model takes as position_ids: row 0 for 1-D families."""
+        return position_ids[0]
+
+    def prompt_embeds(self, batch: PromptBatch) -> PromptEmbeds:
+        device = self.device
+        ids = batch.input_ids.to(device)
+        mask = batch.attention_mask.to(device)
+        place = batch.mm_token_type_ids.to(device).bool()
+        with self.autocast():
+            # placeholder ids may lie outside the text vocabulary (Gemma 3): their embeddings are overwritten anyway
+            embeds = self.embed_tokens(ids.masked_fill(place, 0))
+            extras: dict[str, Tensor] = {}
+            if batch.vision:
+                feats, extras = self.image_features(batch)
+                self.vision_calls += sum(batch.images_per_prompt)
+                if int(place.sum()) != feats.shape[0]:
+                    raise ValueError(f"prompts {batch.sample_ids[:3]}...: {int(place.sum())} image placeholder "
+                                     f"tokens but {feats.shape[0]} image features")
+                embeds = embeds.masked_scatter(place.unsqueeze(-1), feats.to(embeds.device, embeds.dtype))
+        position_ids = self.positions(batch, ids, mask)
+        next_position = position_ids.amax(dim=(0, 2)) + 1
+        return PromptEmbeds(embeds, mask, position_ids, next_position, extras)
+
+    def forward_hidden(self, embeds: Tensor, attention_mask: Tensor, position_ids: Tensor, cache=None,
+                       extras: dict[str, Tensor] | None = None) -> Tensor:
+        """Final hidden states [N, S, H]. `extras` (from PromptEmbeds) covers the first columns when the call
+        includes the prompt (prefill, training forward); decoding steps pass none."""
+        with self.autocast():
+            out = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask,
+                                      position_ids=self.text_positions(position_ids), cache=cache,
+                                      use_cache=cache is not None)
+        return out.last_hidden_state
+
+    def new_cache(self):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.language_model.config)

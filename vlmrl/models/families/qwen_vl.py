@@ -1,0 +1,129 @@
+"""Qwen2-VL, Qwen2.5-VL and Qwen3-VL: dynamic-resolution patches, `<|image_pad|>` placeholders, 3-D M-RoPE positions.
+
+Each image becomes (h/14 x w/14) patches (16 px for Qwen3-VL) merged 2x2 into one token each, so the token count
+follows the pixel budget (`model.min_pixels` / `model.max_pixels`). Positions come from the model's own
+`get_rope_index` over the prompt; completion tokens continue at `next_position + t` in all three rows, which is what
+the model's generation does (text after the last image advances all three rows together). Qwen3-VL also adds
+"deepstack" features of early vision layers to the hidden states of image tokens in the first decoder layers; they are
+carried in `PromptEmbeds.extras` so the prefill and the training forward both add them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from vlmrl.models.batch import PromptBatch
+from vlmrl.models.families.base import ImageInputs, VLFamily, VLProcessor
+
+IMAGE_PAD = "<|image_pad|>"
+VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+# A minimal Qwen chat template (image placeholders inline, no default system prompt), used by the tiny model and
+# whenever a checkpoint ships none. Real checkpoints use their own (Qwen2-VL's adds "You are a helpful assistant.").
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class QwenVLProcessor(VLProcessor):
+    """Image-only processor for the Qwen-VL families (tokenizer + `Qwen2VLImageProcessorPil`).
+
+    transformers' `Qwen2VLProcessor` needs torchvision for its video slot (DESIGN.md); prompts here are images and
+    text, so this class does the same placeholder expansion without it, and works for the real Qwen tokenizers too.
+    """
+
+    family = "qwen2_vl"
+    image_marker = IMAGE_PAD
+    image_token = IMAGE_PAD
+    end_tokens = ("<|im_end|>",)
+    builtin_template = CHAT_TEMPLATE
+    image_processor_class = "Qwen2VLImageProcessorPil"
+
+    @property
+    def merge_size(self) -> int:
+        return getattr(self.image_processor, "merge_size", 2)
+
+    def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
+        """min/max pixels per image: images are resized (aspect kept) so that h*w lies in [min_pixels, max_pixels]."""
+        size = dict(self.image_processor.size)
+        if min_pixels:
+            size["shortest_edge"] = min_pixels
+        if max_pixels:
+            size["longest_edge"] = max_pixels
+        self.image_processor.size = size
+
+    def process_images(self, images: list) -> ImageInputs:
+        out = self.image_processor(images=images, return_tensors="pt")
+        grid = out["image_grid_thw"]
+        patches = grid.prod(-1)
+        tokens = (patches // self.merge_size**2).tolist()
+        return ImageInputs({"pixel_values": out["pixel_values"], "image_grid_thw": grid},
+                           {"pixel_values": patches.tolist(), "image_grid_thw": [1] * len(images)},
+                           [IMAGE_PAD * n for n in tokens], tokens)
+
+
+class QwenVLFamily(VLFamily):
+    """Qwen2-VL / Qwen2.5-VL: vision features into `<|image_pad|>` tokens, M-RoPE positions from `get_rope_index`."""
+
+    vision_prefixes = ("model.visual.",)
+    projector_prefixes = ("model.visual.merger.",)
+
+    def vision_output(self, batch: PromptBatch):
+        grid = batch.vision["image_grid_thw"].to(self.device)
+        return self.inner.get_image_features(batch.vision["pixel_values"].to(self.device), grid, return_dict=True)
+
+    def image_features(self, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        return torch.cat(self.vision_output(batch).pooler_output, dim=0), {}
+
+    def positions(self, batch: PromptBatch, ids: Tensor, mask: Tensor) -> Tensor:
+        if not batch.vision:
+            return super().positions(batch, ids, mask)
+        position_ids, _ = self.inner.get_rope_index(
+            input_ids=ids, mm_token_type_ids=batch.mm_token_type_ids.to(ids.device),
+            image_grid_thw=batch.vision["image_grid_thw"].to(ids.device), attention_mask=mask)
+        return position_ids
+
+    def text_positions(self, position_ids: Tensor) -> Tensor:
+        return position_ids  # all three M-RoPE rows
+
+
+class Qwen3VLProcessor(QwenVLProcessor):
+    family = "qwen3_vl"
+
+
+class Qwen3VLFamily(QwenVLFamily):
+    """Qwen3-VL: Qwen2-VL's layout plus deepstack features added to image tokens in the first decoder layers."""
+
+    projector_prefixes = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
+
+    def image_features(self, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        out = self.vision_output(batch)
+        feats = torch.cat(out.pooler_output, dim=0)
+        # deepstack [n_tokens, layers, H] in placeholder order, packed per prompt row: [P, V_max, layers, H]
+        deep = torch.stack([torch.cat(layer, dim=0) for layer in out.deepstack_features], dim=1)
+        place = batch.mm_token_type_ids.to(feats.device).bool()
+        counts = place.sum(-1)
+        packed = deep.new_zeros(len(batch), int(counts.max()), *deep.shape[1:])
+        valid = torch.arange(packed.shape[1], device=deep.device) < counts[:, None]
+        packed[valid] = deep
+        return feats, {"visual_mask": place, "deepstack": packed}
+
+    def forward_hidden(self, embeds: Tensor, attention_mask: Tensor, position_ids: Tensor, cache=None,
+                       extras: dict[str, Tensor] | None = None) -> Tensor:
+        kwargs = {}
+        if extras and "deepstack" in extras:
+            visual = extras["visual_mask"]
+            visual = torch.nn.functional.pad(visual, (0, embeds.shape[1] - visual.shape[1]), value=False)
+            packed = extras["deepstack"]
+            valid = torch.arange(packed.shape[1], device=packed.device) < visual.sum(-1)[:, None]
+            kwargs = {"visual_pos_masks": visual,
+                      "deepstack_visual_embeds": [packed[:, :, k][valid] for k in range(packed.shape[2])]}
+        with self.autocast():
+            out = self.language_model(inputs_embeds=embeds, attention_mask=attention_mask, position_ids=position_ids,
+                                      cache=cache, use_cache=cache is not None, **kwargs)
+        return out.last_hidden_state

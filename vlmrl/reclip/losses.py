@@ -1,0 +1,73 @@
+"""ReCLIP's math as pure functions: the retrieval policy, candidate picking, advantages, REINFORCE, InfoNCE, KL.
+
+Notation: a similarity matrix `sim` [Q, C] holds cosine similarities of Q queries with C candidates; the retrieval
+policy is pi(c | q) = softmax_c(sim[q] / tau).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def retrieval_logprobs(sim: torch.Tensor, tau: torch.Tensor | float) -> torch.Tensor:
+    """log pi(c | q) = log_softmax(sim / tau) over candidates (last dim); [Q, C]."""
+    return torch.log_softmax(sim / tau, dim=-1)
+
+
+def pick_candidates(logp: torch.Tensor, k: int, mode: str = "sample", generator: torch.Generator | None = None,
+                    force: torch.Tensor | None = None) -> torch.Tensor:
+    """K candidate indices per query [Q, K], distinct within a query.
+
+    mode "sample": drawn from pi without replacement; "topk": the K most probable. With `force` [Q], that index (the
+    ground truth) takes the last slot when it was not picked, so every group holds the right answer.
+    """
+    if not 1 <= k <= logp.shape[-1]:
+        raise ValueError(f"rl.candidates must be 1..{logp.shape[-1]} (the candidate pool), got {k}")
+    with torch.no_grad():
+        if mode == "topk":
+            picked = logp.topk(k, dim=-1).indices
+        elif mode == "sample":
+            picked = torch.multinomial(logp.float().exp(), k, replacement=False, generator=generator)
+        else:
+            raise ValueError(f"rl.selection must be 'sample' or 'topk', got {mode!r}")
+        if force is not None:
+            missing = ~(picked == force[:, None]).any(-1)
+            picked[missing, -1] = force[missing]
+    return picked
+
+
+def group_advantages(rewards: torch.Tensor, normalize: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """A = r - mean over the K candidates of each query (rows of [Q, K]); divided by the row's std when
+    `normalize`. A row of equal rewards gives zeros, never NaN."""
+    centred = rewards - rewards.mean(dim=-1, keepdim=True)
+    if not normalize:
+        return centred
+    std = rewards.std(dim=-1, keepdim=True, unbiased=False)
+    return torch.where(std > eps, centred / (std + eps), torch.zeros_like(centred))
+
+
+def reinforce_loss(logp: torch.Tensor, candidates: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
+    """L = mean_q [ -sum_k A[q, k] * log pi(c_k | q) ].
+
+    Its gradient on sim[q, j] is -(1 / (Q tau)) sum_k A[q, k] (1[j = c_k] - pi(j | q)): with advantages that sum to
+    zero over k, only the picked candidates move, each by its own advantage.
+    """
+    picked = logp.gather(-1, candidates)
+    return -(advantages.detach() * picked).sum(-1).mean()
+
+
+def info_nce(sim: torch.Tensor, scale: torch.Tensor | float, targets: torch.Tensor | None = None) -> torch.Tensor:
+    """Symmetric InfoNCE of CLIP on [B, C] image-text similarities (C >= B: extra columns are extra texts, e.g. hard
+    negatives): ( CE(scale * sim, t) over texts + CE(scale * sim[:, :B].T, t) over images ) / 2, t = arange(B)."""
+    b = sim.shape[0]
+    targets = torch.arange(b, device=sim.device) if targets is None else targets
+    logits = sim * scale
+    return 0.5 * (F.cross_entropy(logits, targets) + F.cross_entropy(logits[:, :b].t(), targets))
+
+
+def distill_kl(logp_student: torch.Tensor, logp_reference: torch.Tensor) -> torch.Tensor:
+    """KL(pi_ref || pi_student) per query, averaged: sum_c pi_ref (log pi_ref - log pi_student). Keeps the
+    retrieval distributions near the starting student's so representations do not collapse."""
+    p_ref = logp_reference.exp()
+    return (p_ref * (logp_reference - logp_student)).sum(-1).mean()

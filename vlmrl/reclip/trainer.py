@@ -1,0 +1,221 @@
+"""The `vlmrl reclip train` job: data -> student -> InfoNCE warm-start -> eval -> RL (or continued InfoNCE) -> eval.
+
+Writes RUN_DIR/config.yaml, metrics.jsonl (+ TensorBoard), feedback.jsonl (judged retrievals with their words and
+rewards), student-start/ and student/ (standalone students; see students.py). Library code never prints: progress
+goes through a `Progress` object (the CLI draws bars).
+
+The job is three reusable pieces, so a benchmark can branch several methods from one warm-start:
+`prepare` (data, student, cached inputs) -> `warm_start` -> `rl_phase(method)`. Batches are drawn from their own
+generator (`Job.batches`), candidates from another (`Job.ctx.generator`), so two methods started from the same
+state see the same batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vlmrl.config import ConfigError, save_config
+from vlmrl.data import DataError
+from vlmrl.reclip.config import ReclipConfig
+from vlmrl.reclip.data import ZeroShotSet, build_items, zero_shot_sets
+from vlmrl.reclip.embedded import EmbeddedConfig, EmbeddedStudent
+from vlmrl.reclip.evaluate import Encoder, evaluate_student, make_encoders
+from vlmrl.reclip.judge import build_judge
+from vlmrl.reclip.scenes import CaptionItem
+from vlmrl.reclip.step import Bank, Scorer, StepContext, infonce_step, reclip_step
+from vlmrl.reclip.store import InputStore
+from vlmrl.reclip.students import TwoTower, hf_student_from_config, load_hf_student, load_student
+from vlmrl.trainer.logger import MetricsLogger
+from vlmrl.trainer.run import Progress, fresh_run_dir, seed_everything
+
+MAX_LOG_SCALE = math.log(100.0)  # CLIP's clamp of the similarity scale
+
+
+def build_student(cfg: ReclipConfig, texts: list[str]) -> TwoTower:
+    """The student named by `student.name_or_path`: embedded, config (with a tokenizer trained on `texts`), a saved
+    student folder, or a CLIP/SigLIP hub name or folder."""
+    s = cfg.student
+    if s.name_or_path == "embedded":
+        ecfg = EmbeddedConfig(s.embed_dim, s.image_size, s.image_trainable_blocks, s.text_trainable_layers,
+                              s.image_pool, s.flatten_channels, s.max_text_length, s.init_logit_scale)
+        student = EmbeddedStudent.build(ecfg, seed=cfg.trainer.seed)
+    elif s.name_or_path == "config":
+        if not s.config:
+            raise ConfigError("student.name_or_path=config needs student.config "
+                              "({model_type: clip, text_config: {...}, vision_config: {...}})")
+        student = hf_student_from_config(s.config, texts, cfg.trainer.seed, s.image_size, s.max_text_length)
+    elif (Path(s.name_or_path) / "reclip_student.json").exists():
+        student = load_student(s.name_or_path)
+    else:
+        student = load_hf_student(s.name_or_path, s.max_text_length)
+    return student.to(s.device)
+
+
+def load_data(cfg: ReclipConfig) -> tuple[list[CaptionItem], list[CaptionItem], list[ZeroShotSet], list[str]]:
+    """Train items, held-out items, zero-shot sets (built-in scenes only) and the problems of skipped rows."""
+    d = cfg.data
+    train, train_report = build_items(d.train, "train", d.seed, d.on_error)
+    held_out, eval_report = build_items(d.eval, "test", d.seed, d.on_error)
+    problems = [p for r in (train_report, eval_report) if r is not None for p in r.problems]
+    scenes = all(it.description is not None for it in train + held_out)
+    if cfg.judge.name == "scene_graph" and not scenes:
+        raise DataError("judge.name=scene_graph needs scene descriptions, which only the built-in reclip_scenes data "
+                        "has; for your own captions set judge.name=exact (or llm)")
+    zs = zero_shot_sets(150, d.seed) if cfg.eval.zero_shot and scenes else []
+    return train, held_out, zs, problems
+
+
+@dataclass
+class Job:
+    cfg: ReclipConfig
+    train: list[CaptionItem]
+    held_out: list[CaptionItem]
+    zero_shot: list[ZeroShotSet]
+    ctx: StepContext
+    batches: torch.Generator
+    run_dir: Path
+    logger: MetricsLogger
+    summary: dict = field(default_factory=dict)
+    encoders: list[Encoder] | None = None
+
+    @property
+    def student(self) -> TwoTower:
+        return self.ctx.student
+
+    def evaluate(self) -> dict[str, float]:
+        e = self.cfg.eval
+        if self.encoders is None:
+            self.encoders = make_encoders(self.student, self.held_out, self.zero_shot, e.batch_size)
+        return evaluate_student(self.student, self.held_out, self.zero_shot, e.ks, e.templates, e.batch_size,
+                                self.encoders)
+
+    def batch(self, size: int) -> list[int]:
+        return torch.randperm(len(self.train), generator=self.batches)[:size].tolist()
+
+
+def _optimizer(student: TwoTower, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+
+
+def prepare(cfg: ReclipConfig, progress: Progress) -> Job:
+    """Data (bad input stops here, before a run directory exists), run directory, student, cached frozen inputs."""
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)
+    seed_everything(cfg.trainer.seed)
+    judge = build_judge(cfg.judge.name, cfg.judge.options)
+    train, held_out, zs, problems = load_data(cfg)
+    run_dir = fresh_run_dir(cfg.trainer.output_dir)
+    save_config(cfg, run_dir / "config.yaml")
+    logger = MetricsLogger(run_dir, cfg.trainer.tensorboard)
+    logger.log({"train_items": len(train), "eval_items": len(held_out), "skipped_rows": len(problems)}, 0, "data")
+    for problem in problems[:20]:
+        progress.message(f"skipped: {problem}")
+    negatives = [n.caption for it in train for n in it.negatives]
+    student = build_student(cfg, [it.caption for it in train + held_out] + negatives)
+    store = InputStore(student, [it.image for it in train])
+    progress.message("caching the frozen tower inputs of the training data")
+    store.warm([it.caption for it in train] + (negatives if cfg.rl.text_negatives else []))
+    ctx = StepContext(student, store, train, cfg.rl, Scorer(judge, cfg.judge), _optimizer(student, cfg.warmup.lr),
+                      torch.Generator().manual_seed(cfg.trainer.seed + 1))
+    job = Job(cfg, train, held_out, zs, ctx, torch.Generator().manual_seed(cfg.trainer.seed), run_dir, logger)
+    job.summary.update(run_dir=str(run_dir), skipped_rows=len(problems))
+    return job
+
+
+def _log(job: Job, metrics: dict, step: int, phase: str, total: int) -> None:
+    every = job.cfg.trainer.log_every
+    if every and (step % every == 0 or step == total):
+        job.logger.log(metrics, step, phase)
+
+
+def warm_start(job: Job, progress: Progress) -> dict[str, float]:
+    """`warmup.steps` of symmetric InfoNCE; returns (and logs) the held-out metrics after it."""
+    w = job.cfg.warmup
+    job.ctx.optimizer = _optimizer(job.student, w.lr)
+    progress.start("warm-start (InfoNCE)", w.steps)
+    for step in range(1, w.steps + 1):
+        metrics = infonce_step(job.ctx, job.batch(w.batch_size))
+        _clamp_scale(job.student)
+        _log(job, metrics, step, "warmup", w.steps)
+        progress.advance(loss=f"{metrics['loss']:.3f}")
+    progress.end()
+    result = job.evaluate()
+    job.logger.log(result, 0, "eval")
+    return result
+
+
+def refresh_bank(ctx: StepContext, size: int, batch_size: int = 256) -> None:
+    """Re-embed a random subset of `size` training items (all when size >= their number) without gradients."""
+    n = len(ctx.items)
+    chosen = torch.randperm(n, generator=ctx.generator)[:size].tolist() if size < n else list(range(n))
+    with torch.no_grad():
+        img = torch.cat([ctx.student.embed_images(ctx.store.images(chosen[i:i + batch_size]))
+                         for i in range(0, len(chosen), batch_size)])
+        txt = torch.cat([ctx.student.embed_texts(ctx.store.texts([ctx.items[j].caption
+                                                                   for j in chosen[i:i + batch_size]]))
+                         for i in range(0, len(chosen), batch_size)])
+    ctx.bank = Bank(chosen, img, txt)
+
+
+def rl_phase(job: Job, progress: Progress, method: str | None = None, phase: str = "train") -> dict[str, float]:
+    """`rl.steps` optimizer steps of `method` (default rl.method): "reclip" or "infonce" (continued InfoNCE, the
+    baseline); returns (and logs) the held-out metrics after them. Judged retrievals go to feedback.jsonl."""
+    rl, ctx = job.cfg.rl, job.ctx
+    method = method or rl.method
+    ctx.optimizer = _optimizer(job.student, rl.lr)
+    ctx.bank = None
+    ctx.reference = None
+    if method == "reclip" and rl.kl_weight > 0:
+        ctx.reference = copy.deepcopy(job.student).requires_grad_(False)
+    progress.start(f"rl ({method})", rl.steps)
+    with open(job.run_dir / "feedback.jsonl", "a") as gallery:
+        for step in range(1, rl.steps + 1):
+            idx = job.batch(rl.batch_size)
+            if method == "infonce":
+                metrics = infonce_step(ctx, idx)
+            else:
+                if rl.bank_size and (step - 1) % rl.bank_refresh == 0:
+                    refresh_bank(ctx, rl.bank_size)
+                metrics = reclip_step(ctx, idx)
+                for entry in ctx.scorer.gallery:
+                    gallery.write(json.dumps({"step": step, **entry}) + "\n")
+                ctx.scorer.gallery = []
+            _clamp_scale(job.student)
+            _log(job, metrics, step, phase, rl.steps)
+            progress.advance(loss=f"{metrics['loss']:.3f}")
+            if job.cfg.trainer.eval_every and step % job.cfg.trainer.eval_every == 0 and step != rl.steps:
+                job.logger.log(job.evaluate(), step, "eval")
+    progress.end()
+    result = job.evaluate()
+    job.logger.log(result, rl.steps, "eval")
+    return result
+
+
+def train_reclip(cfg: ReclipConfig, progress: Progress | None = None) -> dict:
+    """Run the whole job; returns a summary: run_dir, held-out metrics after the warm-start ("start") and at the end
+    ("final"), the saved students, wall time."""
+    progress = progress or Progress()
+    t0 = time.perf_counter()
+    job = prepare(cfg, progress)
+    job.summary["start"] = warm_start(job, progress)
+    if cfg.trainer.save_students:
+        job.summary["student_start"] = str(job.student.save_pretrained(job.run_dir / "student-start"))
+    job.summary["final"] = rl_phase(job, progress)
+    if cfg.trainer.save_students:
+        job.summary["student"] = str(job.student.save_pretrained(job.run_dir / "student"))
+    job.summary["wall_seconds"] = time.perf_counter() - t0
+    job.logger.log({"wall_seconds": job.summary["wall_seconds"]}, cfg.rl.steps, "summary")
+    job.logger.close()
+    return job.summary
+
+
+def _clamp_scale(student: TwoTower) -> None:
+    with torch.no_grad():
+        student.logit_scale.clamp_(0.0, MAX_LOG_SCALE)

@@ -1,0 +1,105 @@
+"""The `judge` reward: an LLM judge's verdict on each answer, through a `JudgeClient` kept for the whole run."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from vlmrl.rewards.judge import DEFAULT_CACHE_DIR, JudgeCache, JudgeClient
+from vlmrl.rewards.parsing import completion_text, strip_think
+from vlmrl.rewards.registry import RewardBatch, RewardFailure, register_reward
+from vlmrl.rewards.verifiable import _select_answer, per_sample
+
+_CLIENTS: dict[str, JudgeClient] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def get_client(**options: Any) -> JudgeClient:
+    """The process-wide JudgeClient for these options (made once: its threads, counters and cache persist)."""
+    key = json.dumps(options, sort_keys=True, default=str)
+    with _CLIENTS_LOCK:
+        if key not in _CLIENTS:
+            _CLIENTS[key] = JudgeClient(**options)
+        return _CLIENTS[key]
+
+
+@register_reward("judge", inline=True)
+def judge_reward(
+    completions: list[str],
+    *,
+    base_url: str,
+    model: str,
+    api_key_env: str | None = None,
+    template: str | None = None,
+    mode: str = "verdict",
+    max_reasons: int = 3,
+    timeout: float = 30.0,
+    max_retries: int = 3,
+    concurrency: int = 8,
+    cache_dir: str | None = DEFAULT_CACHE_DIR,
+    image_max_bytes: int = 512_000,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    backoff_base: float = 0.5,
+    send_images: bool = True,
+    prediction: str = "answer",
+    strict: bool = True,
+    question_column: str = "problem",
+    reference_column: str = "solution",
+    images: list[Any] | None = None,
+    completion_truncated: list[bool] | None = None,
+    **columns: Any,
+) -> list[float | None]:
+    """The judge's score in [0, 1] for each answer: 1.0 for [RELEVANT], 0.0 for [IRRELEVANT] (mode "verdict"), or
+    N/10 (mode "score"), from the model `model` at the OpenAI-compatible `base_url` (see `JudgeClient` for every
+    option; `cache_dir: null` turns the disk cache off).
+
+    What is graded: prediction="answer" (default) sends the answer block, selected as in `accuracy` (`strict`: the
+    completion must be exactly [think] + one answer block and not truncated); an answer that is missing or empty
+    pays 0.0 without a request, so the judge cannot be asked to grade a blank. prediction="completion" sends the
+    whole completion outside think blocks. The question and reference come from the `question_column` and
+    `reference_column` columns, the sample's images (send_images) as data URLs of at most `image_max_bytes`.
+    A request that fails after its retries, or a reply without a verdict, gives None plus a counted failure.
+    Logged per step: reward/judge/{requests, retries, cache_hits, failures, no_verdict, ...} (this batch's counts).
+    Identical requests in a batch (a group's repeated answers) are sent once."""
+    if prediction not in ("answer", "completion"):
+        raise ValueError(f"prediction={prediction!r}: expected 'answer' or 'completion'")
+    client = get_client(base_url=base_url, model=model, api_key_env=api_key_env, template=template, mode=mode,
+                        max_reasons=max_reasons, timeout=timeout, max_retries=max_retries, concurrency=concurrency,
+                        cache_dir=cache_dir, image_max_bytes=image_max_bytes, max_tokens=max_tokens,
+                        temperature=temperature, backoff_base=backoff_base)
+    n = len(completions)
+    questions = per_sample(columns.get(question_column), n, "")
+    references = per_sample(columns.get(reference_column), n, "")
+    image_lists = per_sample(images, n, None) if send_images else [None] * n
+    truncated = per_sample(completion_truncated, n, False)
+    before = dict(client.stats)
+    values: list[Any] = [0.0] * n
+    details: list[Any] = [{"skipped": "no answer to judge"}] * n
+    encoded: dict[int, str] = {}
+    unique: dict[str, list[dict]] = {}
+    owner: dict[int, str] = {}
+    for i, completion in enumerate(completions):
+        text = completion_text(completion)
+        answer = (_select_answer(text, bool(truncated[i]), "tag", strict) if prediction == "answer"
+                  else strip_think(text).strip())
+        if not answer:
+            continue
+        imgs = list(image_lists[i]) if image_lists[i] else None
+        messages = client.messages(str(questions[i]), answer, str(references[i]), imgs, encoded)
+        key = JudgeCache.key(model, messages, client.settings)
+        unique.setdefault(key, messages)
+        owner[i] = key
+    results = dict(zip(unique, client.judge_many(list(unique.values())), strict=True))
+    for i, key in owner.items():
+        result = results[key]
+        feedback = result.feedback
+        details[i] = {**(feedback.to_dict() if feedback else {}), "error": result.error, "cached": result.cached,
+                      "attempts": result.attempts}
+        if feedback is not None and feedback.score is not None:
+            values[i] = feedback.score
+        else:
+            values[i] = RewardFailure(f"judge: {result.error or 'no verdict'}")
+    metrics = {k: float(client.stats[k] - before[k]) for k in client.stats}
+    return RewardBatch(values, metrics, details)

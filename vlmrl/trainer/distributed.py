@@ -1,0 +1,191 @@
+"""Data-parallel training through PyTorch's own machinery: torchrun + DDP or FSDP2 (`fully_shard`).
+
+    torchrun --nproc_per_node 2 -m vlmrl train recipes/quickstart.yaml trainer.distributed=ddp
+
+Each rank takes a contiguous shard of the step's prompts (a group never spans ranks) and samples them from the same
+per-prompt random streams as a single process would, so a step computes the same global batch however many ranks
+share it. The training forward runs as one module call (`TrainingForward`), which DDP or FSDP2 wraps; gradients are
+averaged across ranks by the wrapper and every loss is normalised by the whole step's token and sequence counts, so
+the update equals the single-process one. gloo on CPU, NCCL on GPU; logging and checkpoints on rank 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from vlmrl.models.forward import CompletionOutput, sequence_logprobs
+from vlmrl.models.policy import Policy
+
+
+@dataclass
+class DistInfo:
+    mode: str = "none"  # none | ddp | fsdp2
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(mode: str, device: str) -> DistInfo:
+    """Join the process group torchrun set up (RANK / WORLD_SIZE); a plain `python -m vlmrl` run is world size 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if mode == "none" or world == 1:
+        return DistInfo(mode, 0, 1)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    return DistInfo(mode, dist.get_rank(), dist.get_world_size())
+
+
+def shard(n: int, info: DistInfo) -> tuple[int, int]:
+    """[start, stop) of this rank's prompts among n; n must split evenly so every rank does the same work."""
+    if n % info.world:
+        raise ValueError(f"rollout.prompts_per_step={n} must be a multiple of the number of processes ({info.world})")
+    per = n // info.world
+    return info.rank * per, (info.rank + 1) * per
+
+
+def all_sum(x: float | Tensor, info: DistInfo) -> Tensor:
+    t = torch.as_tensor(x, dtype=torch.float64).clone()
+    if info.active:
+        dist.all_reduce(t)
+    return t
+
+
+def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
+    """Mean of every numeric metric across ranks (the same keys on every rank)."""
+    if not info.active:
+        return metrics
+    keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    dist.all_reduce(values)
+    return {**metrics, **{k: v / info.world for k, v in zip(keys, values.tolist(), strict=True)}}
+
+
+class TrainingForward(nn.Module):
+    """The training forward as one module call, so that DDP and FSDP2 see (and synchronise) it."""
+
+    def __init__(self, policy: Policy):
+        super().__init__()
+        self.model = policy.model
+        self._policy = policy
+
+    def forward(self, prompts, prompt_index: Tensor, completion_ids: Tensor, completion_mask: Tensor,
+                temperature: float, **kwargs) -> CompletionOutput:
+        return sequence_logprobs(self._policy, prompts, prompt_index, completion_ids, completion_mask, temperature,
+                                 **kwargs)
+
+
+def wrap(policy: Policy, info: DistInfo) -> nn.Module:
+    """TrainingForward, wrapped in DDP or sharded with FSDP2 (decoder layers and vision blocks, then the root)."""
+    module = TrainingForward(policy)
+    if not info.active:
+        return module
+    if info.mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        # text-only batches leave the vision tower unused: let DDP tolerate unused parameters
+        return DistributedDataParallel(module, find_unused_parameters=True)
+    if info.mode == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        inner = policy.model.model
+        for block in getattr(inner.visual, "blocks", []):
+            fully_shard(block)
+        for layer in inner.language_model.layers:
+            fully_shard(layer)
+        fully_shard(module)
+        # Generation calls submodules directly, before any root forward; FSDP2 must know the root first, which
+        # it learns in its (private) lazy init, normally run by the root's first forward.
+        module._get_fsdp_state()._lazy_init()
+        return module
+    raise ValueError(f"trainer.distributed must be 'none', 'ddp' or 'fsdp2', got {info.mode!r}")
+
+
+@contextlib.contextmanager
+def gathered(module: nn.Module):
+    """Full parameters for code that calls submodules directly (generation, evaluation, saving): every FSDP2 unit
+    is unsharded once and kept so until the block ends. A no-op for DDP and single-process runs."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.set_reshard_after_forward(False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in units:
+            m.reshard()
+            m.set_reshard_after_forward(True)
+
+
+def no_sync(module: nn.Module, last: bool):
+    """DDP: skip the gradient all-reduce on all but the last micro-batch of a minibatch."""
+    if hasattr(module, "no_sync") and not last:
+        return module.no_sync()
+    return contextlib.nullcontext()
+
+
+def full_state_dict(module: nn.Module, info: DistInfo) -> dict | None:
+    """The policy's full (consolidated) state dict, on CPU, for saving a `from_pretrained` folder (FSDP2 gathers the
+    shards: every rank must call this)."""
+    if info.mode != "fsdp2" or not info.active:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    inner = module.model if isinstance(module, TrainingForward) else module
+    return get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def barrier(info: DistInfo) -> None:
+    if info.active:
+        dist.barrier()
+
+
+def broadcast_object(obj, info: DistInfo):
+    """rank 0's `obj` on every rank (e.g. the run directory rank 0 created)."""
+    if not info.active:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class NullLogger:
+    """What ranks other than 0 log to."""
+
+    def log(self, *args, **kwargs) -> None: ...
+    def log_rollouts(self, *args, **kwargs) -> None: ...
+    def close(self) -> None: ...
+
+
+def save_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, path) -> None:
+    """FSDP2: each rank writes its shard of the optimizer state (torch.distributed.checkpoint); the consolidated
+    model goes to the `from_pretrained` folder beside it. Call it only once the optimizer has state: on an empty
+    optimizer, torch's state-dict helper initialises the state with a zero-lr step, which advances Adam's step
+    counter and changes every later update."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, checkpoint_id=str(path))
+
+
+def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, path) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
+    dcp.load(state, checkpoint_id=str(path))
+    set_optimizer_state_dict(module, optimizer, state["optimizer"])

@@ -1,0 +1,79 @@
+"""Offline DPO for VLMs: preference rows {image, prompt, chosen, rejected}, reference log-probs computed once.
+
+`vlmrl train` runs this instead of the RL loop when the recipe sets `data.preferences`. Online DPO (pairs from the
+policy's own groups) is `algorithm.policy_loss: dpo` in the RL loop (`vlmrl/trainer/update.py`).
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import Tensor
+
+from vlmrl.algorithms.losses import dpo_loss
+from vlmrl.config import Config
+from vlmrl.models.forward import sequence_logprobs
+from vlmrl.models.policy import Policy
+from vlmrl.rollout.batch import make_prompts
+from vlmrl.trainer.sft import target_ids
+
+
+def synthetic_preferences(samples: list[dict], target_template: str, seed: int = 0) -> list[dict]:
+    """Preference pairs from labelled samples: chosen = the labelled answer; rejected = a wrong one (a number off
+    by one for numeric answers, another sample's different answer otherwise)."""
+    rng = random.Random(seed)
+    answers = sorted({s["solution"] for s in samples})
+    out = []
+    for s in samples:
+        if s.get("answer_type") == "number" and s["solution"].lstrip("-").isdigit():
+            value = int(s["solution"])
+            wrong = str(value + 1 if value == 0 or rng.random() < 0.5 else value - 1)
+        else:
+            others = [a for a in answers if a != s["solution"]]
+            if not others:
+                continue
+            wrong = rng.choice(others)
+        out.append({**s, "chosen": target_template.format(**s), "rejected": target_template.format(
+            **{**s, "solution": wrong})})
+    return out
+
+
+class OfflineDPO:
+    """DPO on a fixed preference set; the reference (the starting policy) is evaluated once, at construction."""
+
+    def __init__(self, policy: Policy, reference: Policy, pairs: list[dict], cfg: Config):
+        for s in pairs:
+            if not isinstance(s.get("chosen"), str) or not isinstance(s.get("rejected"), str):
+                raise ValueError(f"preference sample {s.get('id')!r}: needs string 'chosen' and 'rejected' answers")
+        self.policy, self.pairs, self.cfg = policy, pairs, cfg
+        with torch.no_grad():
+            reference.model.eval()
+            ref = [self._logprobs(reference, pairs[i:i + 64]) for i in range(0, len(pairs), 64)]
+        self.ref_chosen = torch.cat([r[0] for r in ref])
+        self.ref_rejected = torch.cat([r[1] for r in ref])
+
+    def _logprobs(self, policy: Policy, pairs: list[dict]) -> tuple[Tensor, Tensor]:
+        """Sequence log-probs (sum over answer tokens, end token included) of chosen and rejected answers."""
+        d = self.cfg.data
+        prompts = make_prompts(policy, pairs, d.prompt_template, d.max_prompt_length)
+        ids, mask = target_ids(policy, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs])
+        index = torch.arange(len(pairs)).repeat(2)
+        logp = sequence_logprobs(policy, prompts, index, ids, mask, 1.0).logprobs.sum(-1)
+        return logp[:len(pairs)], logp[len(pairs):]
+
+    def step(self, rows: list[int], optimizer: torch.optim.Optimizer, scheduler) -> dict[str, float]:
+        algo = self.cfg.algorithm
+        optimizer.zero_grad(set_to_none=True)
+        chosen, rejected = self._logprobs(self.policy, [self.pairs[i] for i in rows])
+        idx = torch.tensor(rows)
+        loss, margin = dpo_loss(chosen, rejected, self.ref_chosen[idx], self.ref_rejected[idx], algo.dpo_beta,
+                                algo.dpo_label_smoothing)
+        loss = loss.mean()
+        loss.backward()
+        params = [p for p in self.policy.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.max_grad_norm)
+        optimizer.step()
+        scheduler.step()
+        return {"loss": loss.item(), "dpo/margin": margin.mean().item(), "dpo/accuracy": (margin > 0).float().mean()
+                .item(), "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]}
