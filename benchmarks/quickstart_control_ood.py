@@ -57,11 +57,28 @@ def tables(seeds: dict) -> str:
     return "\n".join(out)
 
 
+def seeds_of_runs(paths: list[str]) -> dict:
+    """seeds.json's content for run directories from several sweeps (each with its baselines.json)."""
+    from vlmrl.eval.runs import discover, load_run
+    from vlmrl.trainer.sweep import aggregate_runs
+
+    results, seeds = [], []
+    for run in map(load_run, discover(paths)):
+        b = run.baselines
+        wall = run.series("summary", "wall_seconds")
+        results.append({"start": b["in_distribution"]["start"], "final": b["in_distribution"]["rl"], "baselines": b,
+                        **({"wall_seconds": next(iter(wall.values()))} if wall else {})})
+        seeds.append(run.config["trainer"]["seed"])
+    return {"seeds": seeds, "runs": [str(p) for p in paths], "metrics": aggregate_runs(results)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--out", default="/tmp/vlmrl-bench/quickstart-control-ood")
     p.add_argument("--tables-only", action="store_true", help="print the tables of an existing --out sweep root")
+    p.add_argument("--runs", nargs="+", help="with --tables-only: aggregate these run directories or sweep roots "
+                                            "instead (e.g. seeds finished by separate sweeps)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     root = Path(args.out)
@@ -75,7 +92,7 @@ def main() -> None:
         subprocess.run(cmd, cwd=ROOT, check=True)
         print(f"sweep wall time: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "vlmrl", "report", str(root)], cwd=ROOT, check=True)
-    seeds = json.loads((root / "seeds.json").read_text())
+    seeds = json.loads((root / "seeds.json").read_text()) if not args.runs else seeds_of_runs(args.runs)
     print(tables(seeds))
     results = ROOT / "benchmarks/results"
     results.mkdir(parents=True, exist_ok=True)

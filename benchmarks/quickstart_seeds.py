@@ -11,31 +11,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def peak_rss_mb_of_children() -> float:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-
-
 def run_seed(seed: int, overrides: list[str], out_root: Path) -> dict:
+    """One `vlmrl train` in its own process: its wall time, its own CPU time and peak memory (from wait4)."""
     out = out_root / f"seed{seed}"
     cmd = [sys.executable, "-m", "vlmrl", "train", "recipes/quickstart.yaml", f"trainer.seed={seed}",
            f"trainer.output_dir={out}", *overrides]
     t0 = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
+    if status != 0:
+        raise RuntimeError(f"seed {seed}: vlmrl train failed ({status}); rerun {' '.join(cmd)}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["phase"] == "eval"]
-    return {"seed": seed, "wall_seconds": wall, "start": evals[0], "final": evals[-1],
+    return {"seed": seed, "wall_seconds": wall, "cpu_seconds": usage.ru_utime + usage.ru_stime,
+            "peak_rss_mb": usage.ru_maxrss / 1024, "start": evals[0], "final": evals[-1],
             "curve": [(r["step"], r["greedy/accuracy"]) for r in evals]}
 
 
@@ -48,25 +49,29 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default="/tmp/vlmrl-bench/quickstart")
+    p.add_argument("--jobs", type=int, default=1, help="seeds run at once (each then gets a share of the cores)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    results = [run_seed(s, args.overrides, Path(args.out)) for s in args.seeds]
+    with ThreadPoolExecutor(args.jobs) as pool:  # --jobs 1: one after another, the way a user runs it
+        results = list(pool.map(lambda s: run_seed(s, args.overrides, Path(args.out)), args.seeds))
     print("| seed | greedy acc. after SFT | greedy acc. after RL | gain | sampled after SFT | sampled after RL "
-          "| wall time |")
-    print("|---|---|---|---|---|---|---|")
+          "| wall time | CPU time | peak RSS |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         s, f = r["start"], r["final"]
         print(f"| {r['seed']} | {100 * s['greedy/accuracy']:.1f} | {100 * f['greedy/accuracy']:.1f} | "
               f"{100 * (f['greedy/accuracy'] - s['greedy/accuracy']):+.1f} | {100 * s['sampled/accuracy']:.1f} | "
-              f"{100 * f['sampled/accuracy']:.1f} | {r['wall_seconds']:.0f} s |")
+              f"{100 * f['sampled/accuracy']:.1f} | {r['wall_seconds']:.0f} s | {r['cpu_seconds']:.0f} s | "
+              f"{r['peak_rss_mb']:.0f} MB |")
     col = {k: [r[w][f"{m}/accuracy"] for r in results] for k, (w, m) in
            {"gs": ("start", "greedy"), "gf": ("final", "greedy"), "ss": ("start", "sampled"),
             "sf": ("final", "sampled")}.items()}
     gain = [b - a for a, b in zip(col["gs"], col["gf"], strict=True)]
     walls = [r["wall_seconds"] for r in results]
     print(f"| mean ± std | {mean_std(col['gs'])} | {mean_std(col['gf'])} | {mean_std(gain)} | {mean_std(col['ss'])} | "
-          f"{mean_std(col['sf'])} | {statistics.mean(walls):.0f} s (max {max(walls):.0f} s) |")
-    print(f"\npeak resident memory of one run: {peak_rss_mb_of_children():.0f} MB")
+          f"{mean_std(col['sf'])} | {statistics.mean(walls):.0f} s (max {max(walls):.0f} s) | "
+          f"{statistics.mean(r['cpu_seconds'] for r in results):.0f} s | "
+          f"{max(r['peak_rss_mb'] for r in results):.0f} MB (max) |")
     out = ROOT / "benchmarks/results"
     out.mkdir(parents=True, exist_ok=True)
     (out / "quickstart_seeds.json").write_text(json.dumps(results, indent=1))

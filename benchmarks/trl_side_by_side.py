@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -102,6 +103,8 @@ def vlmrl_worker(argv: list[str]) -> None:
 
 def run_vlmrl(start: Path, steps: int, threads: int, seed: int, out: Path) -> dict:
     run_dir = out / f"vlmrl-seed{seed}"
+    if run_dir.exists():  # left by a killed run: `vlmrl train` would otherwise write to a numbered sibling
+        shutil.rmtree(run_dir)
     argv = [f"model.name_or_path={start}", "sft.steps=0", f"trainer.steps={steps}", f"trainer.threads={threads}",
             f"trainer.seed={seed}", "trainer.eval_every=0", f"trainer.output_dir={run_dir}"]
     proc = run_measured([sys.executable, __file__, "_vlmrl_worker", *argv], out / f"vlmrl-seed{seed}.log", threads)
@@ -219,12 +222,14 @@ def main() -> None:
     p.add_argument("--start", help="reuse this vlmrl checkpoint as the start instead of running the SFT")
     p.add_argument("--quickstart-memory", action="store_true",
                    help="also run the full quickstart (`vlmrl train`) and record its peak resident memory")
+    p.add_argument("--resume", action="store_true",
+                   help="--out already holds some finished runs (e.g. after the job was killed): keep them")
     p.add_argument("--out", default=f"/tmp/vlmrl-bench/trl-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--results", default=str(RESULTS / "trl_side_by_side.json"))
     args = p.parse_args()
     out = Path(args.out)
-    if out.exists() and any(out.iterdir()):
-        raise SystemExit(f"--out {out} is not empty; give a new folder")
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        raise SystemExit(f"--out {out} is not empty; give a new folder, or --resume to keep its finished runs")
     out.mkdir(parents=True, exist_ok=True)
     import torch
     import transformers
@@ -235,18 +240,28 @@ def main() -> None:
                     "cpus": os.cpu_count(), "load_average_start": os.getloadavg(), "git": git_state()}
     if args.start:
         start = Path(args.start)
+    elif (out / "sft/checkpoint-0").exists():
+        start = out / "sft/checkpoint-0"
+        report["sft"] = json.loads((out / "sft.json").read_text())
     else:
         print("SFT start ...", flush=True)
         report["sft"] = run_measured([sys.executable, "-m", "vlmrl", "train", "trainer.steps=0",
                                       f"trainer.threads={args.threads}", f"trainer.output_dir={out / 'sft'}"],
                                      out / "sft.log", args.threads)
+        (out / "sft.json").write_text(json.dumps(report["sft"]))
         start = out / "sft/checkpoint-0"
     runs = []
     for r in range(args.repeats):
         order = (run_vlmrl, run_trl) if r % 2 == 0 else (run_trl, run_vlmrl)
         for fn in order:
+            done = out / f"{fn.__name__}-seed{r}.json"  # a finished run, kept when the benchmark is resumed
             print(f"seed {r}: {fn.__name__} ...", flush=True)
-            res = fn(start, args.steps, args.threads, r, out)
+            if done.exists():
+                res = json.loads(done.read_text())
+                print("  (finished earlier in this --out, not re-run)")
+            else:
+                res = fn(start, args.steps, args.threads, r, out)
+                done.write_text(json.dumps(res, indent=1))
             print(f"  {res['rollouts_per_second']:.1f} rollouts/s, {res['rollouts_per_cpu_second']:.1f} per CPU-s, "
                   f"peak {res['peak_rss_mb']:.0f} MB", flush=True)
             runs.append(res)

@@ -212,3 +212,19 @@ def test_autocast_only_on_cuda(dirs):
                                           torch.arange(3).expand(3, 1, 3))
     assert hidden.dtype == torch.float32
     assert load_policy(dirs["qwen2_vl"], autocast=False).family.autocast_dtype is None
+
+
+@pytest.mark.parametrize(("recipe", "budget_gib"), [("qwen2_5_vl_3b_lora.yaml", 24), ("qwen2_5_vl_3b_full.yaml", 80)])
+def test_gpu_recipes_load_and_their_memory_estimate_fits(recipe, budget_gib):
+    """The GPU recipes are valid, and the estimate in docs/models.md (untested on a GPU) leaves a margin."""
+    from pathlib import Path
+
+    from vlmrl.config import load_config
+    from vlmrl.models.memory import estimate, prompt_length
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "recipes" / recipe)
+    est = estimate(cfg, prompt_length(cfg))
+    assert est["params"] == pytest.approx(3.75, abs=0.01)  # Qwen2.5-VL-3B-Instruct, counted on the meta device
+    assert est["peak"] < 0.7 * budget_gib
+    if cfg.model.lora.r:
+        assert est["reference"] == 0.0 and est["gradients+adamw"] < 1.0

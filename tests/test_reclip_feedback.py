@@ -126,6 +126,28 @@ def test_judge_needs_descriptions_and_exact_judge_compares_captions():
         build_judge("oracle")
 
 
+def test_llm_judge_through_the_judge_client_and_a_local_server(tmp_path):
+    import re
+
+    from tests.judge_server import JudgeServer
+
+    def reply(prompt: str) -> str:
+        truth = re.search(r"Ground truth .*?: (.*)", prompt).group(1)
+        got = re.search(r"Retrieved: (.*)", prompt).group(1)
+        if truth == got:
+            return "+ same objects\n[RELEVANT]"
+        return "+ the shapes agree\n- colour: red != blue\n- relation reversed\n[IRRELEVANT]"
+
+    with JudgeServer(reply=reply) as server:
+        judge = build_judge("llm", {"base_url": server.base_url, "model": "m", "cache_dir": None})
+        bad = judge(View(text="a red circle"), View(text="a blue circle"), View(text="a red circle"))
+        good = judge(View(text="a red circle"), View(text="a red circle"), View(text="a red circle"))
+    assert str(bad) == "[IRRELEVANT] colour: red != blue; relation reversed" and good.verdict == "relevant"
+    assert feedback_reward(bad) == pytest.approx(-0.5)
+    with pytest.raises(JudgeError, match="judge.options.base_url"):
+        build_judge("llm", {"model": "m"})
+
+
 def test_llm_judge_adapter_parses_a_client_answer():
     prompts = []
 

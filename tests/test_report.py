@@ -24,7 +24,7 @@ SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num
 SECTIONS = ("summary", "before-after", "baselines", "curves", "reflection", "gallery")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--hide-scrollbars"]
+                  "--disable-dev-shm-usage", "--hide-scrollbars"]
 
 
 @pytest.fixture(scope="module")

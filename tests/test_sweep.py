@@ -116,3 +116,16 @@ def test_control_matches_rl_wall_time(tmp_path):
     assert out["control"]["seconds"] == pytest.approx(sum(step_times))
     assert sum(step_times) >= out["rl_seconds"] > sum(step_times[:-1])
     assert out["ood"] == {} and "control_sft" in out["in_distribution"]
+
+
+def test_baselines_of_a_finished_run_read_back_from_its_files(sweep):
+    from vlmrl.config import load_config as load
+    from vlmrl.trainer.control import run_baselines, summary_of_run
+
+    run = sweep["runs"][0]
+    summary = summary_of_run(run)
+    saved = json.loads(open(f"{run}/baselines.json").read())
+    assert summary["start"] == saved["in_distribution"]["start"] and summary["final"] == saved["in_distribution"]["rl"]
+    assert summary["checkpoint"].endswith("checkpoint-4")
+    with pytest.raises(FileExistsError, match="control-sft exists"):
+        run_baselines(load(f"{run}/config.yaml"), summary, "sft")

@@ -40,7 +40,11 @@ def freeze(policy: Policy, vision: bool = False, projector: bool = False) -> int
 
 def enable_gradient_checkpointing(policy: Policy) -> None:
     """Recompute decoder-layer activations during backward (non-reentrant, so frozen inputs are fine)."""
-    unwrap_peft(policy.model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = unwrap_peft(policy.model)
+    if hasattr(model, "activation_checkpointing_enable"):  # the transformers >= 5.2x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def configure_training(policy: Policy, m: ModelConfig) -> Policy:

@@ -8,7 +8,7 @@ text, image, scene description). Built in:
   `[IRRELEVANT] colour: red != blue; relation: left-of != right-of`.
 - `ExactJudge`: for user data without scene graphs; relevant iff the retrieved item's caption equals the truth's
   (case and spaces ignored). It gives no reasons, so the reward is the verdict alone.
-- `LLMJudge`: an adapter to the LLM judge client of `vlmrl.rewards.judge` (see its docstring).
+- `LLMJudge`: an LLM through the judge client of `vlmrl.rewards.judge` (any OpenAI-compatible endpoint).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from PIL import Image
 
-from vlmrl.reclip.feedback import Feedback, Reason, parse_feedback
+from vlmrl.reclip.feedback import Feedback, Reason, parse_feedback, parse_reason
 from vlmrl.reclip.scenes import INVERSE, Description, Group
 
 
@@ -121,39 +121,77 @@ class ExactJudge:
         return Feedback("relevant" if _norm(retrieved.text) == _norm(truth.text) else "irrelevant")
 
 
-LLM_PROMPT = (
-    "You judge a retrieval system. Query: {query}\nGround truth: {truth}\nRetrieved: {retrieved}\n"
-    "Does the retrieved item match the ground truth? Answer with [RELEVANT], [PARTIAL] or [IRRELEVANT], then the "
-    "reasons separated by ';', each as 'attribute: expected != retrieved' (attributes: colour, shape, count, "
-    "relation, missing, extra)."
-)
+RECLIP_TEMPLATE = """You judge a retrieval system that matches images with captions.
+
+Query: {question}
+Ground truth (what should have been retrieved): {reference}
+Retrieved: {prediction}
+
+Does the retrieved item match the ground truth? Give at most {max_reasons} reasons, one per line: "- attribute: \
+expected != retrieved" for each mismatch (attributes: colour, shape, count, relation, missing, extra), "+ ..." for an \
+agreement. Then end with one line that holds exactly one verdict tag: [RELEVANT] or [IRRELEVANT]."""
 
 
 class LLMJudge:
-    """An LLM as the GRM, through `vlmrl.rewards.judge.JudgeClient` (an OpenAI-compatible endpoint). The judge sees
-    captions: the query's text (or, for an image query, the truth's caption), the truth's and the retrieved item's.
-    Its answer is parsed by `vlmrl.rewards.judge.parse_feedback` when that exists, else by feedback.parse_feedback.
-    `options` go to the client (endpoint, model, timeouts...)."""
+    """An LLM as the GRM, through `vlmrl.rewards.judge.JudgeClient` (any OpenAI-compatible endpoint, with its
+    retries, bounded concurrency and disk cache). `options` are the client's arguments (`base_url` and `model` are
+    required; `api_key_env`, `timeout`, `max_reasons`, `cache_dir`, ...); the prompt is RECLIP_TEMPLATE unless
+    `options.template` says otherwise. The judge sees the query (a caption, or the attached query image), the truth's
+    caption, and the retrieved item (its caption; for an image, the image attached). Its "-" reasons become
+    attribute-level reasons (`parse_reason`); "+" reasons support the match and carry no penalty.
+
+    `client`: instead of an endpoint, any function prompt -> reply text (tests, local models)."""
 
     def __init__(self, options: dict[str, Any] | None = None, client: Callable[[str], str] | None = None):
         self.options = dict(options or {})
-        self.client = client or _judge_client(self.options)
+        self.fn = client
+        self.client = None if client is not None else _judge_client(self.options)
 
     def __call__(self, query: View, retrieved: View, truth: View) -> Feedback:
-        prompt = LLM_PROMPT.format(query=query.text or truth.text, truth=truth.text, retrieved=retrieved.text)
-        return parse_feedback(self.client(prompt))
+        image = retrieved.image if retrieved.image is not None else query.image
+        question = query.text or "the attached image"
+        prediction = retrieved.text or "the attached image"
+        if retrieved.image is not None:
+            prediction = "the attached image" + (f" (captioned: {retrieved.text})" if retrieved.text else "")
+        if self.fn is not None:
+            prompt = RECLIP_TEMPLATE.replace("{question}", question).replace("{reference}", truth.text or "")
+            prompt = prompt.replace("{prediction}", prediction).replace("{max_reasons}", "4")
+            return parse_feedback(self.fn(prompt))
+        fb = self.client.judge(question=question, prediction=prediction, reference=truth.text or "",
+                               images=[image] if image is not None else None)
+        if fb is None or fb.score is None:
+            raise JudgeError(f"LLM judge: {self.client.last_error if fb is None else fb.error}")
+        return from_rewards_feedback(fb)
 
 
-def _judge_client(options: dict[str, Any]) -> Callable[[str], str]:
+def from_rewards_feedback(fb: Any) -> Feedback:
+    """`vlmrl.rewards.feedback.Feedback` (verdict tag or 0-10 score, +/- reasons) -> ReCLIP's Feedback: the tag
+    gives the verdict (a score alone: 1 relevant, 0 irrelevant, else partial); "-" and unsigned reasons are parsed
+    into attribute-level reasons."""
+    if fb.verdict in ("RELEVANT", "IRRELEVANT"):
+        verdict = fb.verdict.lower()
+    else:
+        verdict = "relevant" if fb.score >= 1.0 else "irrelevant" if fb.score <= 0.0 else "partial"
+    reasons = [parse_reason(text) for text, sign in zip(fb.reasons, fb.signals, strict=True) if sign <= 0]
+    return Feedback(verdict, reasons, None if fb.verdict else fb.score)  # a tag's 1/0 score says nothing more
+
+
+def _judge_client(options: dict[str, Any]):
     try:
-        from vlmrl.rewards import judge as judge_module  # written by the rewards issue (the LLM judge client)
-    except ImportError:
-        raise NotImplementedError(
-            "judge.name=llm needs vlmrl.rewards.judge (the LLM judge client of the rewards issue), which is not in "
-            "this installation yet; use judge.name=scene_graph or exact, or pass LLMJudge(client=callable)") from None
-    raise NotImplementedError(  # pragma: no cover - wired once the client's interface is final
-        f"vlmrl.rewards.judge exists ({judge_module.__file__}) but the ReCLIP adapter to its JudgeClient is not "
-        "written yet; pass LLMJudge(client=callable) with a function prompt -> text")
+        from vlmrl.rewards.judge import JudgeClient  # the LLM judge client of the rewards issue
+    except ImportError:  # pragma: no cover - present in this repository; kept for a stripped-down install
+        raise NotImplementedError("judge.name=llm needs vlmrl.rewards.judge (the LLM judge client)") from None
+    missing = [k for k in ("base_url", "model") if not options.get(k)]
+    if missing:
+        raise JudgeError(f"judge.name=llm needs judge.options.{missing[0]} (e.g. judge.options="
+                         "{base_url: http://127.0.0.1:8000/v1, model: qwen2.5-vl-7b})")
+    settings = dict(options)
+    settings.setdefault("template", RECLIP_TEMPLATE)
+    base_url, model = settings.pop("base_url"), settings.pop("model")
+    try:
+        return JudgeClient(base_url, model, **settings)
+    except TypeError as error:
+        raise JudgeError(f"judge.options: {error}; see vlmrl.rewards.judge.JudgeClient for the options") from None
 
 
 def build_judge(name: str, options: dict[str, Any] | None = None) -> Judge:

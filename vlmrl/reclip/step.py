@@ -87,6 +87,9 @@ class Bank:
     images: torch.Tensor | None = None
     texts: torch.Tensor | None = None
 
+    def __post_init__(self):
+        self.position = {item: row for row, item in enumerate(self.items)}
+
 
 @dataclass
 class StepContext:
@@ -151,7 +154,7 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
         "i2t": (sim, texts),
     }
     if ctx.bank is not None and ctx.bank.items:
-        own = torch.tensor([ctx.bank.items.index(i) if i in ctx.bank.items else -1 for i in idx])
+        own = torch.tensor([ctx.bank.position.get(i, -1) for i in idx])
         for direction, (s, pool) in list(pools.items()):
             queries = txt[:b] if direction == "t2i" else img
             bank = ctx.bank.images if direction == "t2i" else ctx.bank.texts

@@ -100,11 +100,15 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int, max_new_toke
     family = policy.family
     index = torch.arange(len(prompts)).repeat_interleave(group_size)
     pe = family.prompt_embeds(prompts)
+    # the prompt is encoded (vision tower and prefill) once; its KV cache is then repeated for the G answers
+    cache = family.new_cache()
+    hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache, pe.extras)[:, -1]
+    if group_size > 1:
+        cache.batch_repeat_interleave(group_size)
+        hidden = hidden.repeat_interleave(group_size, dim=0)
     pe = pe.select(index.to(pe.embeds.device))
     n, device = len(index), pe.embeds.device
     eos = torch.tensor(policy.eos_token_ids, device=device)
-    cache = family.new_cache()
-    hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache, pe.extras)[:, -1]
     mask = pe.attention_mask
     tokens, logps, alive_steps = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)

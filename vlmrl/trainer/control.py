@@ -144,17 +144,43 @@ def sft_control(cfg: Config, start: str | Path, seconds: float, out_dir: Path, e
 
 
 def train_with_baselines(cfg: Config, control: str | None = None, progress: Progress | None = None) -> dict:
-    """`train(cfg)`, then the start and the RL checkpoint on the OOD splits, then the control (if any).
-
-    Returns train's summary plus "baselines": {"in_distribution": {arm: metrics}, "ood": {split: {arm: metrics}},
-    "rl_seconds", "control": {"steps", "seconds", "checkpoint"}}; also written to RUN_DIR/baselines.json.
-    Arms: "start" (checkpoint-0, the SFT start), "rl" (the final checkpoint), "control_sft"."""
+    """`train(cfg)`, then `run_baselines` on the finished run. Returns train's summary plus "baselines"."""
     if control is not None and control not in CONTROLS:
         raise ValueError(f"--control {control!r}: known controls: {', '.join(CONTROLS)}")
     progress = progress or Progress()
     ood_sets = load_ood_sets(cfg)  # fail on a bad OOD spec before hours of training
     summary = train(cfg, progress)
+    return {**summary, "baselines": run_baselines(cfg, summary, control, progress, ood_sets)}
+
+
+def summary_of_run(run_dir: str | Path) -> dict:
+    """What `train` returns, read back from a finished run's files: its first and last eval rows and its last
+    checkpoint (to add baselines to a run trained earlier, or one whose baselines were interrupted)."""
+    run_dir = Path(run_dir)
+    evals = {r["step"]: r for r in read_metrics(run_dir) if r["phase"] == "eval"}
+    ckpts = sorted(run_dir.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[1]))
+    if not evals or len(ckpts) < 2:
+        raise ValueError(f"{run_dir}: not a finished run (needs eval rows, checkpoint-0 and a final checkpoint)")
+    strip = lambda row: {k: v for k, v in row.items() if k not in ("phase", "step")}  # noqa: E731
+    return {"run_dir": str(run_dir), "start": strip(evals[min(evals)]), "final": strip(evals[max(evals)]),
+            "checkpoint": str(ckpts[-1])}
+
+
+def run_baselines(cfg: Config, summary: dict, control: str | None = None, progress: Progress | None = None,
+                  ood_sets: dict[str, list[dict]] | None = None) -> dict:
+    """The start and the RL checkpoint on the OOD splits, then the control (if any), for a finished run.
+
+    Returns {"in_distribution": {arm: metrics}, "ood": {split: {arm: metrics}}, "rl_seconds", "control": {"steps",
+    "seconds", "checkpoint"}}, also written to RUN_DIR/baselines.json. Arms: "start" (checkpoint-0, the SFT start),
+    "rl" (the final checkpoint), "control_sft"."""
+    progress = progress or Progress()
+    if cfg.trainer.threads:
+        torch.set_num_threads(cfg.trainer.threads)  # as in the RL phase, so the control's time buys the same CPU
+    ood_sets = load_ood_sets(cfg) if ood_sets is None else ood_sets
     run_dir = Path(summary["run_dir"])
+    control_dir = run_dir / "control-sft"
+    if control == "sft" and control_dir.exists() and any(control_dir.iterdir()):
+        raise FileExistsError(f"{control_dir} exists (an earlier control?); move it away to run the control again")
     rewards = reward_specs(cfg)
     eval_set, _ = build_dataset(cfg.data.eval, "test", cfg.data.seed, cfg.data.on_error)
     out: dict = {"in_distribution": {"start": summary["start"], "rl": summary["final"]},
@@ -166,12 +192,12 @@ def train_with_baselines(cfg: Config, control: str | None = None, progress: Prog
             for name, samples in ood_sets.items():
                 out["ood"][name][arm] = run_eval(policy, cfg, samples, rewards, progress, f"{arm} ({name})")
     if control == "sft":
-        res = sft_control(cfg, run_dir / "checkpoint-0", out["rl_seconds"], run_dir / "control-sft", eval_set,
-                          ood_sets, summary["start"], progress)
+        res = sft_control(cfg, run_dir / "checkpoint-0", out["rl_seconds"], control_dir, eval_set, ood_sets,
+                          summary["start"], progress)
         out["in_distribution"]["control_sft"] = res["in_distribution"]
         for name, metrics in res["ood"].items():
             out["ood"][name]["control_sft"] = metrics
         out["control"] = {"kind": "sft", "steps": res["steps"], "seconds": res["seconds"],
                           "checkpoint": res["checkpoint"], "lr": cfg.control.lr, "batch_size": cfg.control.batch_size}
     (run_dir / "baselines.json").write_text(json.dumps(out, indent=1))
-    return {**summary, "baselines": out}
+    return out

@@ -88,7 +88,7 @@ class TrainingForward(nn.Module):
 
 
 def wrap(policy: Policy, info: DistInfo) -> nn.Module:
-    """TrainingForward, wrapped in DDP or sharded with FSDP2 (decoder layers and vision blocks, then the root)."""
+    """TrainingForward, wrapped in DDP or sharded with FSDP2 (each transformer block, then the root)."""
     module = TrainingForward(policy)
     if not info.active:
         return module
@@ -100,11 +100,14 @@ def wrap(policy: Policy, info: DistInfo) -> nn.Module:
     if info.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        inner = policy.model.model
-        for block in getattr(inner.visual, "blocks", []):
+        # one FSDP unit per transformer block, found by the model's own `_no_split_modules` (the classes HF
+        # never splits: decoder layers and vision blocks), for every family; the rest goes to the root unit
+        block_classes = set(getattr(policy.model, "_no_split_modules", None) or [])
+        blocks = [m for m in policy.model.modules() if type(m).__name__ in block_classes]
+        if not blocks:
+            raise ValueError(f"fsdp2: {type(policy.model).__name__} names no transformer blocks (_no_split_modules)")
+        for block in blocks:
             fully_shard(block)
-        for layer in inner.language_model.layers:
-            fully_shard(layer)
         fully_shard(module)
         # Generation calls submodules directly, before any root forward; FSDP2 must know the root first, which
         # it learns in its (private) lazy init, normally run by the root's first forward.

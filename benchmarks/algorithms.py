@@ -1,0 +1,90 @@
+"""Every algorithm on the quickstart task from the same SFT start: held-out accuracy before and after RL, over seeds.
+
+    python benchmarks/algorithms.py --seeds 0 1 2 --steps 200 --jobs 2
+
+Per seed, the quickstart's SFT warm-start runs once (`trainer.steps=0`) and its checkpoint-0 is the start of every
+algorithm (`model.name_or_path=.../checkpoint-0 sft.steps=0`), so the rows differ only in the algorithm. Each run
+uses one torch thread; `--jobs` runs that many at once. Prints a markdown table for BENCHMARKS.md and writes the raw
+numbers to benchmarks/results/algorithms.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ALGORITHMS = ["quickstart", "grpo_kl", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_single",
+              "remax", "ppo", "dpo_online", "dpo_offline"]
+
+
+def vlmrl_train(args: list[str]) -> float:
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "vlmrl", "train", *args, "trainer.threads=1"], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def evals(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "eval"]
+
+
+def sft_start(seed: int, out: Path) -> tuple[Path, dict]:
+    run = out / f"sft-seed{seed}"
+    if not (run / "checkpoint-0").exists():
+        vlmrl_train(["recipes/quickstart.yaml", f"trainer.seed={seed}", "trainer.steps=0", f"trainer.output_dir={run}"])
+    return run / "checkpoint-0", evals(run)[0]
+
+
+def run_algorithm(name: str, seed: int, start: Path, steps: int, out: Path) -> dict:
+    run = out / f"{name}-seed{seed}"
+    wall = vlmrl_train([f"recipes/{name}.yaml", f"model.name_or_path={start}", "sft.steps=0",
+                        f"trainer.seed={seed}", f"trainer.steps={steps}", "trainer.eval_every=0",
+                        f"trainer.output_dir={run}"])
+    final = evals(run)[-1]
+    return {"algorithm": name, "seed": seed, "wall_seconds": wall, "greedy": final["greedy/accuracy"],
+            "sampled": final["sampled/accuracy"]}
+
+
+def fmt(xs: list[float]) -> str:
+    sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
+    return f"{100 * statistics.mean(xs):.1f} ± {100 * sd:.1f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--jobs", type=int, default=2)
+    p.add_argument("--algorithms", nargs="+", default=ALGORITHMS)
+    p.add_argument("--out", default="/tmp/vlmrl-bench/algorithms")
+    args = p.parse_args()
+    out = Path(args.out)
+    with ThreadPoolExecutor(args.jobs) as pool:
+        starts = dict(zip(args.seeds, pool.map(lambda s: sft_start(s, out), args.seeds), strict=True))
+        jobs = [(a, s) for s in args.seeds for a in args.algorithms]
+        results = list(pool.map(lambda j: run_algorithm(j[0], j[1], starts[j[1]][0], args.steps, out), jobs))
+    start_greedy = [starts[s][1]["greedy/accuracy"] for s in args.seeds]
+    start_sampled = [starts[s][1]["sampled/accuracy"] for s in args.seeds]
+    print(f"| algorithm (recipe) | greedy acc. after RL | sampled acc. after RL | gain over the SFT start (greedy) "
+          f"| wall time per run |\n|---|---|---|---|---|\n| SFT start | {fmt(start_greedy)} | {fmt(start_sampled)} "
+          f"| | |")
+    for name in args.algorithms:
+        rows = sorted((r for r in results if r["algorithm"] == name), key=lambda r: r["seed"])
+        gains = [r["greedy"] - g for r, g in zip(rows, start_greedy, strict=True)]
+        print(f"| {name} | {fmt([r['greedy'] for r in rows])} | {fmt([r['sampled'] for r in rows])} | "
+              f"{fmt(gains)} | {statistics.mean(r['wall_seconds'] for r in rows):.0f} s |")
+    (ROOT / "benchmarks/results").mkdir(parents=True, exist_ok=True)
+    (ROOT / "benchmarks/results/algorithms.json").write_text(
+        json.dumps({"starts": {s: v[1] for s, v in starts.items()}, "runs": results, "steps": args.steps}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
