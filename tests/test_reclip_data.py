@@ -92,3 +92,18 @@ def test_bad_caption_rows_raise_with_file_and_line_or_are_skipped(tmp_path):
     items, report = build_items({"path": str(path), "on_error": "skip"}, "train", 0)
     assert len(items) == 1 and report.skipped == 3
     assert any("line 3" in p for p in report.problems) and any("exactly one image" in p for p in report.problems)
+
+
+def test_parquet_rows_with_image_bytes(tmp_path):
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (8, 8), "blue").save(buffer, format="PNG")
+    table = pa.table({"image": [{"bytes": buffer.getvalue(), "path": "b.png"}], "caption": ["a blue square"]})
+    pq.write_table(table, tmp_path / "caps.parquet")
+    items, report = build_items({"path": str(tmp_path / "caps.parquet")}, "train", 0)
+    assert items[0].caption == "a blue square" and items[0].image.getpixel((0, 0)) == (0, 0, 255)
+    assert items[0].id.endswith("caps.parquet:0") and report.loaded == 1

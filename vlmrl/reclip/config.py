@@ -58,13 +58,13 @@ class RLConfig:
     batch_size: int = 64  # queries per step; the batch is also the candidate pool (plus the memory bank)
     lr: float = 1.0e-3
     directions: list[str] = field(default_factory=lambda: ["t2i", "i2t"])  # text->image and image->text retrieval
-    candidates: int = 8  # K candidates judged per query
+    candidates: int = 32  # K candidates judged per query
     selection: Literal["sample", "topk"] = "sample"  # K drawn from pi without replacement, or the K most probable
     include_truth: bool = True  # the ground truth takes the last slot of a group that missed it
     temperature: float = 0.0  # tau of pi = softmax(sim / tau); 0 = the student's own 1 / exp(logit_scale)
     normalize_advantage: bool = False  # divide r - mean by the group's std
     text_negatives: bool = False  # add the batch items' hard-negative captions to the text pool (built-in scenes)
-    bank_size: int = 0  # training items in the memory bank (detached embeddings) added to the pool; 0 = batch only
+    bank_size: int = 2000  # training items in the memory bank (detached embeddings) added to the pool; 0 = batch only
     bank_refresh: int = 25  # steps between re-embedding the bank (a fresh random subset when bank_size < n)
     anchor_weight: float = 0.0  # + weight * InfoNCE on the batch (keeps the contrastive objective in view)
     kl_weight: float = 0.0  # + weight * KL(pi_start || pi) on the batch: distillation to the warm-start student
