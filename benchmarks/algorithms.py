@@ -45,12 +45,18 @@ def sft_start(seed: int, out: Path) -> tuple[Path, dict]:
 
 def run_algorithm(name: str, seed: int, start: Path, steps: int, out: Path) -> dict:
     run = out / f"{name}-seed{seed}"
+    done = run / "benchmark_result.json"  # a finished run is not repeated when the benchmark is restarted
+    if done.exists() and json.loads(done.read_text()).get("steps") == steps:
+        return json.loads(done.read_text())
     wall = vlmrl_train([f"recipes/{name}.yaml", f"model.name_or_path={start}", "sft.steps=0",
                         f"trainer.seed={seed}", f"trainer.steps={steps}", "trainer.eval_every=0",
                         f"trainer.output_dir={run}"])
     final = evals(run)[-1]
-    return {"algorithm": name, "seed": seed, "wall_seconds": wall, "greedy": final["greedy/accuracy"],
-            "sampled": final["sampled/accuracy"]}
+    result = {"algorithm": name, "seed": seed, "steps": steps, "wall_seconds": wall,
+              "greedy": final["greedy/accuracy"], "sampled": final["sampled/accuracy"]}
+    done.write_text(json.dumps(result))
+    print(f"{name} seed {seed}: greedy {100 * result['greedy']:.1f} in {wall:.0f} s", flush=True)
+    return result
 
 
 def fmt(xs: list[float]) -> str:

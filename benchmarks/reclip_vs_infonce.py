@@ -7,7 +7,7 @@ same batches: `infonce` (continued symmetric InfoNCE), `reclip` (the recipe's Re
 Held-out metrics of the warm-start and of every arm are averaged over seeds (mean ± sample std).
 
     python benchmarks/reclip_vs_infonce.py --seeds 0 1 2 --out runs/reclip-bench/results.json
-    python benchmarks/reclip_vs_infonce.py --seeds 0 rl.steps=50 warmup.steps=50     # a quick look
+    python benchmarks/reclip_vs_infonce.py rl.steps=50 warmup.steps=50 --seeds 0     # overrides go first
 
 Prints a markdown table (the one in BENCHMARKS.md) and writes every number to --out.
 """

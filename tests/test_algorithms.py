@@ -189,3 +189,22 @@ def test_aggregation_micro_batch_shares_sum_to_whole(mode):
     parts = sum(aggregate(x[i:i + 2], mask[i:i + 2], mode, 5, batch_tokens=mask.sum(), batch_sequences=6)
                 for i in range(0, 6, 2))
     assert math.isclose(whole.item(), parts.item(), rel_tol=1e-5)
+
+
+def test_micro_batches_by_token_budget():
+    from vlmrl.trainer.update import micro_batches
+
+    rows = torch.tensor([10, 11, 12, 13, 14])
+    prompt = torch.zeros(20, dtype=torch.long)
+    completion = torch.zeros(20, dtype=torch.long)
+    prompt[10:15] = torch.tensor([20, 20, 30, 20, 20])
+    completion[10:15] = torch.tensor([2, 8, 5, 3, 40])
+    # longest first: 14 (60), 12 (35), 11 (28), 13 (23), 10 (22). Budget 80 padded tokens:
+    # [14] alone (60; adding 12 -> 2 x (30 + 40) = 140); [12, 11] = 2 x (30 + 8) = 76; [13, 10] = 2 x (20 + 3) = 46
+    chunks = micro_batches(rows, (prompt, completion), 0, 80)
+    assert [c.tolist() for c in chunks] == [[14], [12, 11], [13, 10]]
+    # a row over the budget still goes (alone); a row cap applies as well
+    assert [c.tolist() for c in micro_batches(rows, (prompt, completion), 0, 10)] == [[14], [12], [11], [13], [10]]
+    assert [c.tolist() for c in micro_batches(rows, (prompt, completion), 1, 1000)] == [[14], [12], [11], [13], [10]]
+    assert [c.tolist() for c in micro_batches(rows, (prompt, completion), 2, 0)] == [[10, 11], [12, 13], [14]]
+    assert [c.tolist() for c in micro_batches(rows, (prompt, completion), 0, 0)] == [[10, 11, 12, 13, 14]]

@@ -12,7 +12,7 @@ from vlmrl.models import load_policy
 from vlmrl.rewards import RewardSpec
 from vlmrl.trainer.rl import StepContext, build_trajectories, collect_and_score, dynamic_sampling
 from vlmrl.trainer.run import train
-from vlmrl.trainer.update import update
+from vlmrl.trainer.update import micro_batches, row_tokens, update
 
 from .test_train_e2e import SMALL
 
@@ -54,9 +54,14 @@ def _context(policy, cfg, **algo):
                        copy.deepcopy(cfg.trainer), generator=torch.Generator().manual_seed(0))
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batching_does_not_change_the_update(tiny_model_dir, count_samples, aggregation):
-    """DESIGN invariant 5: micro_batch = 1 and the whole batch give the same parameters after one step."""
+@pytest.mark.parametrize("aggregation,chunking", [("token-mean", {"micro_batch": 1}),
+                                                  ("seq-mean-token-mean", {"micro_batch": 1}),
+                                                  ("seq-mean-token-sum-norm", {"micro_batch": 1}),
+                                                  ("token-mean", {"micro_batch_tokens": 3}),
+                                                  ("seq-mean-token-sum-norm", {"micro_batch_tokens": 3})])
+def test_micro_batching_does_not_change_the_update(tiny_model_dir, count_samples, aggregation, chunking):
+    """DESIGN invariant 5: micro-batches (of one row, or by token budget, longest rows first and each chunk's
+    completions trimmed to its longest) and the whole batch give the same parameters after one step."""
     cfg = load_config(None, ["rollout.group_size=4", "rollout.max_new_tokens=6"])
     a, b = load_policy(tiny_model_dir), load_policy(tiny_model_dir)
     ctx_a = _context(a, cfg, loss_aggregation=aggregation)
@@ -64,7 +69,14 @@ def test_micro_batching_does_not_change_the_update(tiny_model_dir, count_samples
     batch.rewards.total = torch.tensor([1.0, 0.0, 0.5, 0.0] * 3)  # make every group carry signal
     traj = build_trajectories(ctx_a, batch)
     ctx_b = _context(b, cfg, loss_aggregation=aggregation)
-    ctx_a.trainer.micro_batch, ctx_b.trainer.micro_batch = 0, 1
+    if "micro_batch_tokens" in chunking:  # a budget of about 3 rows: several chunks of several rows
+        prompt_len, completion_len = row_tokens(batch.prompts, traj)
+        budget = chunking["micro_batch_tokens"] * int(prompt_len.max() + completion_len.max())
+        chunking = {"micro_batch_tokens": budget}
+        chunks = micro_batches(torch.arange(12), (prompt_len, completion_len), 0, budget)
+        assert 2 < len(chunks) < 12 and sorted(torch.cat(chunks).tolist()) == list(range(12))
+    for key, value in chunking.items():
+        setattr(ctx_b.trainer, key, value)
     update(ctx_a, batch.prompts, traj)
     update(ctx_b, batch.prompts, traj)
     pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())

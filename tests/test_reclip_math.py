@@ -11,6 +11,7 @@ from vlmrl.reclip.losses import (
     group_advantages,
     info_nce,
     pick_candidates,
+    policy_weighted_advantages,
     reinforce_loss,
     retrieval_logprobs,
 )
@@ -50,6 +51,25 @@ def test_group_advantages_normalised_and_degenerate():
     # [1, 0, 0, 1]: mean .5, population std .5 -> [1, -1, -1, 1]; an all-equal row gives zeros, not NaN
     adv = group_advantages(torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.3, 0.3, 0.3, 0.3]]), normalize=True, eps=0.0)
     assert torch.allclose(adv, torch.tensor([[1.0, -1.0, -1.0, 1.0], [0.0, 0.0, 0.0, 0.0]]))
+
+
+def test_policy_weighted_advantages_are_the_exact_gradient_over_the_candidates():
+    # pi = [.5, .3, .2]; candidates {0, 1} -> pi_K = [.625, .375]; rewards [1, 0] -> b = .625;
+    # A = K pi_K (r - b) = 2 * [.625 * .375, .375 * -.625] = [+.46875, -.46875]
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).requires_grad_(True)
+    picked, rewards = torch.tensor([[0, 1]]), torch.tensor([[1.0, 0.0]])
+    adv = policy_weighted_advantages(retrieval_logprobs(logits, 1.0), picked, rewards)
+    assert torch.allclose(adv, torch.tensor([[0.46875, -0.46875]]))
+    # the loss gradient equals -K * grad of E_{pi_K}[r] = -K * pi_K(0) on the logits
+    reinforce_loss(retrieval_logprobs(logits, 1.0), picked, adv).backward()
+    logits2 = logits.detach().clone().requires_grad_(True)
+    expected = -2 * torch.softmax(logits2[:, :2], -1)[0, 0]
+    expected.backward()
+    assert torch.allclose(logits.grad, logits2.grad, atol=1e-6)
+    # a candidate the student finds unlikely weighs little: the truth at pi .01 among two likely misses
+    low = policy_weighted_advantages(torch.log(torch.tensor([[0.01, 0.5, 0.49]])), torch.tensor([[0, 1, 2]]),
+                                     torch.tensor([[1.0, 0.0, 0.0]]))
+    assert 0 < low[0, 0] < 0.05 and torch.allclose(low.sum(-1), torch.zeros(1), atol=1e-6)
 
 
 def test_pick_candidates_topk_and_forced_truth():

@@ -154,6 +154,9 @@ class TrainerConfig:
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
     micro_batch: int = 0  # trajectories per forward/backward chunk (0 = the whole minibatch); never changes the math
+    # padded tokens per chunk (rows x (longest prompt + longest completion)), longest rows first; 0 = no budget. With
+    # micro_batch, both caps apply. Like micro_batch, a memory knob only: the gradient does not depend on it
+    micro_batch_tokens: int = 0
     ppo_epochs: int = 1
     minibatches: int = 1
     seed: int = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from vlmrl.models.batch import PromptBatch, PromptEmbeds
@@ -59,10 +60,22 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
 def sequence_logprobs(policy, prompts: PromptBatch, prompt_index: Tensor, completion_ids: Tensor,
                       completion_mask: Tensor, temperature: float, **kwargs) -> CompletionOutput:
     """`completion_logprobs` for rows of `prompts` chosen by `prompt_index`: each prompt's images go through the
-    vision tower once, for all of its answers in this call (only the prompts that are used are encoded)."""
+    vision tower once, for all of its answers in this call (only the prompts that are used are encoded).
+
+    Only the columns up to the last masked-in completion token are computed (causal attention: later columns cannot
+    change earlier ones); the outputs are zero-padded back to the full width."""
     used = sorted(set(prompt_index.tolist()))
     sub = prompts.subset(used) if used != list(range(len(prompts))) else prompts
     local = {p: i for i, p in enumerate(used)}
     rows = torch.tensor([local[p] for p in prompt_index.tolist()], device=completion_ids.device)
     embeds = policy.family.prompt_embeds(sub).select(rows)
-    return completion_logprobs(policy.family, embeds, completion_ids, completion_mask, temperature, **kwargs)
+    full = completion_ids.shape[1]
+    live = completion_mask.any(0).nonzero()
+    width = int(live.max()) + 1 if len(live) else 1
+    out = completion_logprobs(policy.family, embeds, completion_ids[:, :width], completion_mask[:, :width],
+                              temperature, **kwargs)
+    if width == full:
+        return out
+    pad = full - width
+    return CompletionOutput(F.pad(out.logprobs, (0, pad)), None if out.entropy is None else F.pad(out.entropy, (0, pad)),
+                            None if out.hidden is None else F.pad(out.hidden, (0, 0, 0, pad)))

@@ -93,6 +93,8 @@ def estimate(cfg: Config, prompt_tokens: int) -> dict[str, float]:
     out["generation_peak"] = 3 * rows * prompt_tokens * inter * 2 / GB
     micro = cfg.trainer.micro_batch or rows
     seq = prompt_tokens + r.max_new_tokens
+    if cfg.trainer.micro_batch_tokens:  # worst case: every row at full length
+        micro = min(micro, max(1, cfg.trainer.micro_batch_tokens // seq))
     working = (12 * hidden + 4 * inter) * micro * seq * 2
     if m.gradient_checkpointing:
         out["training_activations"] = (layers * micro * seq * hidden * 2 + working) / GB

@@ -62,7 +62,10 @@ class RLConfig:
     selection: Literal["sample", "topk"] = "sample"  # K drawn from pi without replacement, or the K most probable
     include_truth: bool = True  # the ground truth takes the last slot of a group that missed it
     temperature: float = 0.0  # tau of pi = softmax(sim / tau); 0 = the student's own 1 / exp(logit_scale)
-    normalize_advantage: bool = False  # divide r - mean by the group's std
+    # "mean": A = r - mean over the K (plain REINFORCE); "policy": A = K pi_K (r - E_{pi_K} r), the exact gradient of
+    # the expected reward over the K candidates (pi_K: pi renormalised on them); see losses.policy_weighted_advantages
+    advantage: Literal["mean", "policy"] = "mean"
+    normalize_advantage: bool = False  # divide the advantages by the group's std
     text_negatives: bool = False  # add the batch items' hard-negative captions to the text pool (built-in scenes)
     bank_size: int = 2000  # training items in the memory bank (detached embeddings) added to the pool; 0 = batch only
     bank_refresh: int = 25  # steps between re-embedding the bank (a fresh random subset when bank_size < n)

@@ -47,6 +47,20 @@ def group_advantages(rewards: torch.Tensor, normalize: bool = False, eps: float 
     return torch.where(std > eps, centred / (std + eps), torch.zeros_like(centred))
 
 
+def policy_weighted_advantages(logp: torch.Tensor, candidates: torch.Tensor, rewards: torch.Tensor) -> torch.Tensor:
+    """The exact policy gradient of the expected reward over each query's K candidates, as REINFORCE advantages.
+
+    With pi_K(c) = pi(c) / sum_k pi(c_k) the policy renormalised on the K candidates and b = sum_k pi_K(c_k) r_k:
+    A_k = K * pi_K(c_k) * (r_k - b), so that -sum_k A_k log pi(c_k) has the gradient of -K * E_{pi_K}[r]. A candidate
+    the student finds likely weighs in proportion, as a negative does in InfoNCE; the truth, placed in the group
+    whatever its probability (`include_truth`), weighs by its own probability instead of 1. Sums to 0 per query.
+    """
+    with torch.no_grad():
+        weights = torch.softmax(logp.gather(-1, candidates), dim=-1)
+        baseline = (weights * rewards).sum(-1, keepdim=True)
+        return candidates.shape[-1] * weights * (rewards - baseline)
+
+
 def reinforce_loss(logp: torch.Tensor, candidates: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """L = mean_q [ -sum_k A[q, k] * log pi(c_k | q) ].
 

@@ -21,6 +21,7 @@ from vlmrl.reclip.losses import (
     group_advantages,
     info_nce,
     pick_candidates,
+    policy_weighted_advantages,
     reinforce_loss,
     retrieval_logprobs,
 )
@@ -183,8 +184,12 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
             ok = (~failed).float()
             mean = (rewards * ok).sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp(min=1)
             rewards = torch.where(failed, mean.expand_as(rewards), rewards)
-        # Stage III - advantages: r - mean over the K candidates of each query
-        adv = group_advantages(rewards, rl.normalize_advantage)
+        # Stage III - advantages: r - mean over the K candidates of each query (or the policy-weighted form)
+        if rl.advantage == "policy":
+            adv = policy_weighted_advantages(logp, picked, rewards)  # sums to 0 per query: centring is a no-op
+            adv = group_advantages(adv, normalize=True) if rl.normalize_advantage else adv
+        else:
+            adv = group_advantages(rewards, rl.normalize_advantage)
         # Stage IV - the loss of this direction
         loss = loss + reinforce_loss(logp, picked, adv)
         top1 = logp.argmax(-1)

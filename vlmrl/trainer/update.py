@@ -1,8 +1,8 @@
 """Stage IV, update: the policy-gradient update (with optional critic) and online DPO.
 
-`ppo_epochs` passes over the rollout batch, each split into `minibatches` (one optimizer step each) and
-`micro_batch`-sized chunks (gradient accumulation: memory only; every chunk's loss is normalised by its whole
-minibatch, so the gradient does not depend on the chunking).
+`ppo_epochs` passes over the rollout batch, each split into `minibatches` (one optimizer step each) and chunks of at
+most `micro_batch` rows and `micro_batch_tokens` padded tokens (gradient accumulation: memory only; every chunk's loss
+is normalised by its whole minibatch, so the gradient does not depend on the chunking).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
             ctx.optimizer.zero_grad(set_to_none=True)
             if critic is not None:
                 critic.optimizer.zero_grad(set_to_none=True)
-            chunks = minibatch.split(cfg.micro_batch or len(minibatch))
+            chunks = micro_batches(minibatch, row_tokens(prompts, traj), cfg.micro_batch, cfg.micro_batch_tokens)
             for i, rows in enumerate(chunks):
                 with no_sync(ctx.forward, last=i == len(chunks) - 1):
                     loss, parts = micro_batch_loss(ctx, prompts, traj, rows, mb_tokens, mb_seqs, warmup)
@@ -61,6 +61,36 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
     metrics = {k: v / updates for k, v in sums.items()}
     metrics["lr"] = ctx.scheduler.get_last_lr()[0]
     return metrics
+
+
+def row_tokens(prompts: PromptBatch, traj: Trajectories) -> tuple[Tensor, Tensor]:
+    """Per trajectory row: its prompt's length (left padding excluded) and its completion's length [N], [N]."""
+    return prompts.attention_mask.sum(-1)[traj.prompt_index], traj.loss_mask.sum(-1)
+
+
+def micro_batches(rows: Tensor, lengths: tuple[Tensor, Tensor], max_rows: int = 0, max_tokens: int = 0
+                  ) -> list[Tensor]:
+    """Split a minibatch's row indices into forward/backward chunks.
+
+    Without a token budget: consecutive chunks of `max_rows` (0 = one chunk). With `max_tokens`: rows go longest
+    first (prompt + completion), and a chunk closes before its padded size, rows x (longest prompt + longest
+    completion), would pass `max_tokens` or its row count `max_rows`; a row longer than the budget goes alone. Every
+    row lands in exactly one chunk; the order of rows never changes the gradient (losses are normalised by the whole
+    minibatch).
+    """
+    if not max_tokens:
+        return list(rows.split(max_rows or len(rows)))
+    prompt_len, completion_len = (x[rows] for x in lengths)
+    order = torch.argsort(prompt_len + completion_len, descending=True, stable=True)
+    chunks, current, p_max, c_max = [], [], 0, 0
+    for i in order.tolist():
+        p, c = max(p_max, int(prompt_len[i])), max(c_max, int(completion_len[i]))
+        if current and ((len(current) + 1) * (p + c) > max_tokens or len(current) == (max_rows or len(rows))):
+            chunks.append(rows[current])
+            current, p, c = [], int(prompt_len[i]), int(completion_len[i])
+        current.append(i)
+        p_max, c_max = p, c
+    return chunks + [rows[current]]
 
 
 def micro_batch_loss(ctx: StepContext, prompts: PromptBatch, traj: Trajectories, rows: Tensor, mb_tokens: Tensor,
