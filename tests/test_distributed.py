@@ -1,4 +1,5 @@
-"""torchrun with 2 processes (gloo, CPU): DDP and FSDP2 steps equal a single-process run on the same global batch."""
+"""torchrun with 2 processes (gloo, CPU): DDP and FSDP2 steps equal a single-process run on the same global batch, and
+a run resumed under torchrun from its step-1 checkpoint (FSDP2: sharded optimizer state) ends where it would have."""
 
 import os
 import subprocess
@@ -17,11 +18,12 @@ STEPS = ["trainer.steps=2", "sft.steps=2", "rollout.prompts_per_step=4", "rollou
 REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for c in completions]\n"
 
 
-def run(tmp_path, name: str, mode: str, nproc: int) -> dict:
+def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None) -> dict:
     reward = tmp_path / "varied_reward.py"
     reward.write_text(REWARD)
-    args = ["-m", "vlmrl", "train", *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}",
+    args = ["-m", "vlmrl", "train", *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}", "trainer.save_every=1",
             f"trainer.distributed={mode}", f"rewards=[{{name: '{reward}:score'}}]"]
+    args += ["--resume", str(tmp_path / name / resume)] if resume else []
     if nproc > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -45,3 +47,9 @@ def test_two_process_training_matches_one_process(tmp_path, single, mode):
     assert moved > 1e-3  # training changed the weights, so equality below means something
     for k in one:
         assert torch.allclose(one[k], two[k], atol=2e-5), (k, (one[k] - two[k]).abs().max().item())
+    # resume from checkpoint-1 under torchrun: step 2 again, from the saved optimizer, scheduler, data order and RNG
+    if mode == "fsdp2":
+        assert (tmp_path / mode / "checkpoint-1" / "sharded").is_dir()
+    resumed = run(tmp_path, mode, mode, 2, resume="checkpoint-1")
+    for k in one:
+        assert torch.allclose(two[k], resumed[k], atol=1e-6), (k, (two[k] - resumed[k]).abs().max().item())

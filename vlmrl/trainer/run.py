@@ -229,7 +229,8 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     stream = PromptStream(len(train_set), generator)
     first_step = 1
     if resume_state is not None:
-        optimizer.load_state_dict(resume_state["optimizer"])
+        if resume_state["optimizer"] is not None:  # None under FSDP2: each rank loads its shard below
+            optimizer.load_state_dict(resume_state["optimizer"])
         scheduler.load_state_dict(resume_state["scheduler"])
         stream.load(resume_state["data"])
         restore_rng(resume_state["rng"], generator)
