@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -48,6 +49,7 @@ def run_algorithm(name: str, seed: int, start: Path, steps: int, out: Path) -> d
     done = run / "benchmark_result.json"  # a finished run is not repeated when the benchmark is restarted
     if done.exists() and json.loads(done.read_text()).get("steps") == steps:
         return json.loads(done.read_text())
+    shutil.rmtree(run, ignore_errors=True)  # an unfinished run's folder: vlmrl would write to RUN-2 beside it
     wall = vlmrl_train([f"recipes/{name}.yaml", f"model.name_or_path={start}", "sft.steps=0",
                         f"trainer.seed={seed}", f"trainer.steps={steps}", "trainer.eval_every=0",
                         f"trainer.output_dir={run}"])
