@@ -391,3 +391,17 @@ def test_normalize_text_examples():
     assert normalize_text("The Red.") == "red"
     assert normalize_text("\u201cNew  York\u201d!") == "new york"
     assert normalize_text("\uff32\uff25\uff24") == "red"  # full-width letters
+
+
+def test_reward_outputs_concatenate_in_order():
+    """DAPO's dynamic sampling joins the scores of several sampling rounds: totals, components and counts."""
+    from vlmrl.rewards.registry import RewardOutput
+
+    specs = [RewardSpec("accuracy", 1.0, {"strict": False}), RewardSpec("format", 0.5)]
+    a = compute_rewards(specs, ["<answer>3</answer>", "<answer>4</answer>"], {"solution": ["3", "3"]})
+    b = compute_rewards(specs, ["no tags"], {"solution": ["7"]})
+    both = RewardOutput.concat([a, b])
+    assert both.total.tolist() == a.total.tolist() + b.total.tolist()
+    assert both.total[0] > both.total[1] and len(both.total) == 3
+    assert both.components["accuracy"] == [1.0, 0.0, 0.0]
+    assert both.no_reward == a.no_reward + b.no_reward

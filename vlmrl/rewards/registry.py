@@ -208,6 +208,8 @@ class RewardOutput:
     @staticmethod
     def concat(outputs: list[RewardOutput]) -> RewardOutput:
         """Several batches' scores as one; failure counts, reported counters and seconds are summed."""
+        import torch
+
         first = outputs[0]
 
         def summed(attr):
