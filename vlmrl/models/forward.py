@@ -89,7 +89,7 @@ def sequence_logprobs(policy, prompts: PromptBatch, prompt_index: Tensor, comple
     rows = torch.tensor([local[p] for p in prompt_index.tolist()], device=completion_ids.device)
     embeds = policy.family.prompt_embeds(sub)
     # one answer per prompt: nothing to share; transformers turns the KV cache off under gradient checkpointing
-    if len(used) == len(rows) or getattr(policy.model, "is_gradient_checkpointing", False):
+    if len(used) == len(rows) or getattr(policy.model, "is_activation_checkpointing", False):
         embeds, rows = embeds.select(rows), None
     full = completion_ids.shape[1]
     live = completion_mask.any(0).nonzero()

@@ -283,6 +283,25 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     return RLJob(cfg, ctx, stream, train_set, run_dir, start_eval, dpo, (shard_start, shard_stop))
 
 
+def start_vllm(cfg: Config, ctx: StepContext, run_dir: Path, dist_info):
+    """A colocated vLLM engine started from checkpoint-0 (under LoRA a merged copy of it), then given the current
+    weights (a resumed run's)."""
+    from vlmrl.models.trainable import merge_checkpoint
+    from vlmrl.rollout.vllm_engine import VLLMEngine
+
+    start = run_dir / "checkpoint-0"
+    if ctx.policy.has_adapters:
+        merged = run_dir / "vllm_start"
+        if dist_info.is_main and not merged.exists():
+            merge_checkpoint(start, merged)
+        barrier(dist_info)
+        start = merged
+    engine = VLLMEngine(start, cfg.rollout.vllm, seed=cfg.trainer.seed)
+    with gathered(ctx.forward):
+        engine.push_weights(ctx.policy)
+    return engine
+
+
 def train(cfg: Config, progress: Progress | None = None, resume: str | Path | None = None) -> dict:
     """Run the whole job; returns a summary with held-out accuracy after SFT and after RL and the run directory.
 
@@ -335,6 +354,8 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     first_step = 1 if resume_state is None else resume_state["step"] + 1
     if resume_state is None:
         job.checkpoint(0)  # the SFT start: the baseline every RL number is compared with
+    if cfg.rollout.engine == "vllm":
+        job.ctx.engine = start_vllm(cfg, job.ctx, run_dir, dist_info)
     progress.start("rl", t.steps - first_step + 1)
     for step in range(first_step, t.steps + 1):
         metrics, gallery = job.step(step)
