@@ -83,6 +83,34 @@ def test_generation_logprobs_match_training_forward(family, family_dirs, mixed_s
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_shared_prompt_forward_has_the_full_forwards_gradients(family, family_dirs, mixed_samples):
+    """The training forward runs each prompt once and shares its KV cache with its G answers: log-probs, entropies
+    and every parameter's gradient equal those of the plain forward over prompt + answer rows."""
+    policy = load_policy(family_dirs[family])
+    prompts = make_prompts(policy, mixed_samples)
+    r = generate(policy, prompts, group_size=3, max_new_tokens=6, temperature=1.0,
+                 generator=torch.Generator().manual_seed(2))
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+
+    def grads(out):
+        loss = (out.logprobs * torch.linspace(0.5, 1.5, out.logprobs.numel()).view_as(out.logprobs)).sum() \
+            + out.entropy.sum()
+        return torch.autograd.grad(loss, params, allow_unused=True)
+
+    shared = sequence_logprobs(policy, prompts, r.prompt_index, r.completion_ids, r.completion_mask, 1.0,
+                               with_entropy=True, entropy_grad=True)
+    full = completion_logprobs(policy.family, policy.family.prompt_embeds(prompts).select(r.prompt_index),
+                               r.completion_ids, r.completion_mask, 1.0, with_entropy=True, entropy_grad=True)
+    assert torch.allclose(shared.logprobs, full.logprobs, atol=1e-5)
+    assert torch.allclose(shared.entropy, full.entropy, atol=1e-5)
+    for p, a, b in zip(params, grads(shared), grads(full), strict=True):
+        if a is None or b is None:
+            assert a is None and b is None
+            continue
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), (p.shape, (a - b).abs().max())
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_consistency_check_can_fail(family, family_dirs, mixed_samples):
     """The tiny models are sensitive enough for the test above to catch wrong positions or lost image features."""
     policy = load_policy(family_dirs[family])

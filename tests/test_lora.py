@@ -146,8 +146,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(dirs, rollout):
         out.sum().backward()
         grads.append({n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
-    for n in grads[0]:
-        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-6), n
+    for n in grads[0]:  # (without checkpointing the prompt's KV cache is shared: another summation order, ~1e-6)
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-5, rtol=1e-4), n
 
 
 def test_adapter_checkpoint_merges_and_reloads(dirs, rollout, tmp_path):

@@ -92,6 +92,10 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
+    # "hf": the built-in KV-cached sampler (CPU and GPU); "vllm": a colocated vLLM engine per process (GPU, pip install
+    # 'vlmrl[vllm]'), weights pushed after every update; see vlmrl/rollout/vllm_engine.py
+    engine: Literal["hf", "vllm"] = "hf"
+    vllm: dict = field(default_factory=dict)  # engine=vllm: gpu_memory_utilization, max_model_len, enforce_eager, sleep
 
 
 @dataclass

@@ -49,6 +49,7 @@ class StepContext:
     prompt_offset: int = 0  # global position of this process's first prompt (data-parallel ranks shard the step)
     dist: DistInfo = field(default_factory=DistInfo)
     forward: torch.nn.Module | None = None  # the training forward, wrapped by DDP/FSDP2 when distributed
+    engine: object | None = None  # rollout.engine=vllm: vlmrl.rollout.vllm_engine.VLLMEngine (None: built-in sampler)
 
     def __post_init__(self):
         if self.forward is None:
@@ -95,11 +96,14 @@ def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None
     prompts = make_prompts(ctx.policy, samples, ctx.template, ctx.max_prompt_length)
     r = ctx.rollout
     seeds = [prompt_seed(ctx.trainer.seed, ctx.step, round_index, ctx.prompt_offset + i) for i in range(len(samples))]
+    temperature = r.temperature if temperature is None else temperature
+    if ctx.engine is not None:
+        return prompts, ctx.engine.generate(ctx.policy, prompts, samples, group_size or r.group_size,
+                                            r.max_new_tokens, temperature, r.top_k, r.top_p, seeds)
     ctx.policy.model.eval()
     with gathered(ctx.forward):
-        rollout = generate(ctx.policy, prompts, group_size or r.group_size, r.max_new_tokens,
-                           r.temperature if temperature is None else temperature, r.top_k, r.top_p, ctx.generator,
-                           prompt_seeds=seeds)
+        rollout = generate(ctx.policy, prompts, group_size or r.group_size, r.max_new_tokens, temperature, r.top_k,
+                           r.top_p, ctx.generator, prompt_seeds=seeds)
     ctx.policy.model.train()
     return prompts, rollout
 
@@ -181,7 +185,9 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     mask = rollout.completion_mask
     args = (batch.prompts, rollout.prompt_index, rollout.completion_ids, mask, temp)
     with torch.no_grad():
-        if ctx.trainer.ppo_epochs * ctx.trainer.minibatches == 1:
+        # the sampler's log-probs serve as old log-probs when the batch is used once, unless another engine (vLLM,
+        # other kernels) sampled it: then the training forward recomputes them (the gap is logged in rl_step)
+        if ctx.trainer.ppo_epochs * ctx.trainer.minibatches == 1 and rollout.engine == "hf":
             old = rollout.logprobs
         else:
             ctx.policy.model.eval()
@@ -220,6 +226,12 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
     t1 = time.perf_counter()
     traj = build_trajectories(ctx, batch)
     metrics = update(ctx, batch.prompts, traj)
+    if ctx.engine is not None:  # the next step samples from the updated weights
+        with gathered(ctx.forward):
+            ctx.engine.push_weights(ctx.policy)
+        gap = (batch.rollout.logprobs - traj.old_logprobs).abs()[batch.rollout.completion_mask.bool()]
+        metrics["rollout/engine_logprob_gap_max"] = gap.max().item() if gap.numel() else 0.0
+        metrics["rollout/engine_logprob_gap_mean"] = gap.mean().item() if gap.numel() else 0.0
     t2 = time.perf_counter()
     g = ctx.rollout.group_size
     rollout = first.rollout  # accuracy and lengths describe the i.i.d. sample, before any filtering
