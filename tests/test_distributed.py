@@ -18,11 +18,11 @@ STEPS = ["trainer.steps=2", "sft.steps=2", "rollout.prompts_per_step=4", "rollou
 REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for c in completions]\n"
 
 
-def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None) -> dict:
+def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None, extra: tuple = ()) -> dict:
     reward = tmp_path / "varied_reward.py"
     reward.write_text(REWARD)
     args = ["-m", "vlmrl", "train", *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}", "trainer.save_every=1",
-            f"trainer.distributed={mode}", f"rewards=[{{name: '{reward}:score'}}]"]
+            f"trainer.distributed={mode}", f"rewards=[{{name: '{reward}:score'}}]", *extra]
     args += ["--resume", str(tmp_path / name / resume)] if resume else []
     if nproc > 1:
         args = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
@@ -53,3 +53,14 @@ def test_two_process_training_matches_one_process(tmp_path, single, mode):
     resumed = run(tmp_path, mode, mode, 2, resume="checkpoint-1")
     for k in one:
         assert torch.allclose(two[k], resumed[k], atol=1e-6), (k, (two[k] - resumed[k]).abs().max().item())
+
+
+def test_online_dpo_under_ddp_matches_one_process(tmp_path):
+    """Online DPO: pairs differ per rank (one rank may have none); the loss is the mean over all of the step's pairs."""
+    dpo = ("algorithm.policy_loss=dpo", "algorithm.dpo_beta=0.1")
+    one = run(tmp_path, "dpo-single", "none", 1, extra=dpo)
+    two = run(tmp_path, "dpo-ddp", "ddp", 2, extra=dpo)
+    start = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "dpo-single" / "checkpoint-0").state_dict()
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=2e-5), (k, (one[k] - two[k]).abs().max().item())

@@ -253,10 +253,9 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
         with reference.active() as reference_policy:
             dpo = OfflineDPO(policy, reference_policy, pairs, cfg)
         train_set = pairs
-    if dist_info.active and (algo.advantage == "gae" or algo.policy_loss == "dpo" or offline_dpo
-                             or algo.dynamic_sampling):
-        raise ValueError("trainer.distributed supports the GRPO family, RLOO, REINFORCE++ and ReMax so far; "
-                         "run critics, DPO and dynamic sampling in one process")
+    if dist_info.active and (algo.advantage == "gae" or offline_dpo or algo.dynamic_sampling):
+        raise ValueError("trainer.distributed supports the GRPO family, RLOO, REINFORCE++, ReMax and online DPO so "
+                         "far; run critics, offline DPO and dynamic sampling in one process")
     forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)

@@ -143,31 +143,44 @@ def dpo_pairs(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
 
 
 def update_online_dpo(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[str, float]:
-    """One optimizer step of DPO on (best, worst) answer pairs from the policy's own groups."""
+    """One optimizer step of DPO on (best, worst) answer pairs from the policy's own groups.
+
+    The loss is the mean over the step's pairs on all ranks. Under torchrun a rank whose groups gave no pair still
+    runs one forward with a zero loss, so that DDP/FSDP2's gradient synchronisation sees every rank."""
     algo, cfg = ctx.algorithm, ctx.trainer
     chosen, rejected = dpo_pairs(traj.rewards, ctx.rollout.group_size)
     metrics = {"dpo/pairs": float(len(chosen))}
-    if len(chosen) == 0:
+    pairs = float(all_sum(len(chosen), ctx.dist))  # the step's pairs on all ranks
+    if pairs == 0:
         ctx.scheduler.step()
         return {**metrics, "loss": 0.0, "lr": ctx.scheduler.get_last_lr()[0]}
     ctx.optimizer.zero_grad(set_to_none=True)
-    total, margins, micro = 0.0, [], cfg.micro_batch or len(chosen)
-    for start in range(0, len(chosen), micro):
+    per_rank = pairs / ctx.dist.world  # DDP/FSDP2 average gradients over ranks
+    total, margins, micro = 0.0, [], cfg.micro_batch or max(len(chosen), 1)
+    starts = list(range(0, len(chosen), micro)) or [0]
+    for i, start in enumerate(starts):
         c, r = chosen[start:start + micro], rejected[start:start + micro]
-        both = torch.cat([c, r])
+        idle = len(c) == 0  # no pair on this rank: one row, weight 0
+        both = torch.zeros(1, dtype=torch.long) if idle else torch.cat([c, r])
         mask = traj.loss_mask[both]
-        out = ctx.forward(prompts, traj.prompt_index[both], traj.completion_ids[both], mask, ctx.rollout.temperature)
-        seq = out.logprobs.sum(-1)
-        ref = (traj.ref_logprobs[both] * mask).sum(-1)
-        k = len(c)
-        loss, margin = dpo_loss(seq[:k], seq[k:], ref[:k], ref[k:], algo.dpo_beta, algo.dpo_label_smoothing)
-        loss = loss.sum() / len(chosen)
-        loss.backward()
-        total += loss.item()
-        margins.append(margin)
+        with no_sync(ctx.forward, last=i == len(starts) - 1):
+            out = ctx.forward(prompts, traj.prompt_index[both], traj.completion_ids[both], mask,
+                              ctx.rollout.temperature)
+            if idle:
+                loss = out.logprobs.sum() * 0.0
+            else:
+                seq = out.logprobs.sum(-1)
+                ref = (traj.ref_logprobs[both] * mask).sum(-1)
+                k = len(c)
+                loss, margin = dpo_loss(seq[:k], seq[k:], ref[:k], ref[k:], algo.dpo_beta, algo.dpo_label_smoothing)
+                loss = loss.sum() / per_rank
+                margins.append(margin)
+            loss.backward()
+        total += loss.item()  # (over ranks, reduce_metrics' mean of these is the mean over all pairs)
     grad_norm = _clip_and_step([p for p in ctx.policy.model.parameters() if p.requires_grad], ctx.optimizer,
                                cfg.max_grad_norm)
     ctx.scheduler.step()
-    margin = torch.cat(margins)
-    return {**metrics, "loss": total, "grad_norm": grad_norm, "dpo/margin": margin.mean().item(),
-            "dpo/accuracy": (margin > 0).float().mean().item(), "lr": ctx.scheduler.get_last_lr()[0]}
+    margin = torch.cat(margins) if margins else torch.zeros(0)
+    # sums scaled so that the mean over ranks (reduce_metrics) is the mean over all of the step's pairs
+    return {**metrics, "loss": total, "grad_norm": grad_norm, "lr": ctx.scheduler.get_last_lr()[0],
+            "dpo/margin": margin.sum().item() / per_rank, "dpo/accuracy": (margin > 0).sum().item() / per_rank}
