@@ -177,10 +177,8 @@ def from_rewards_feedback(fb: Any) -> Feedback:
 
 
 def _judge_client(options: dict[str, Any]):
-    try:
-        from vlmrl.rewards.judge import JudgeClient  # the LLM judge client of the rewards issue
-    except ImportError:  # pragma: no cover - present in this repository; kept for a stripped-down install
-        raise NotImplementedError("judge.name=llm needs vlmrl.rewards.judge (the LLM judge client)") from None
+    from vlmrl.rewards.judge import JudgeClient  # the rewards' LLM judge client: retries, concurrency, disk cache
+
     missing = [k for k in ("base_url", "model") if not options.get(k)]
     if missing:
         raise JudgeError(f"judge.name=llm needs judge.options.{missing[0]} (e.g. judge.options="
