@@ -6,8 +6,9 @@ same batches: `infonce` (continued symmetric InfoNCE), `reclip` (the recipe's Re
 (InfoNCE with the hard-negative captions as extra columns: a control that trains on the negatives directly).
 Held-out metrics of the warm-start and of every arm are averaged over seeds (mean ± sample std).
 
-    python benchmarks/reclip_vs_infonce.py --seeds 0 1 2 --out runs/reclip-bench/results.json
+    python benchmarks/reclip_vs_infonce.py --seeds 0 1 2 --arms infonce reclip negclip --out runs/reclip-bench/results.json
     python benchmarks/reclip_vs_infonce.py rl.steps=50 warmup.steps=50 --seeds 0     # overrides go first
+    python benchmarks/reclip_vs_infonce.py --arms infonce reclip negclip --tables-only A/results.json B/results.json
 
 Prints a markdown table (the one in BENCHMARKS.md) and writes every number to --out.
 """
@@ -127,7 +128,14 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", default=["infonce", "reclip"], choices=["infonce", "reclip", "negclip"])
     p.add_argument("--out", default="runs/reclip-bench/results.json")
+    p.add_argument("--tables-only", nargs="+", metavar="RESULTS_JSON",
+                   help="print the table of the seeds in these --out files (e.g. two runs of different seeds)")
     args = p.parse_args()
+    if args.tables_only:
+        results = [r for f in args.tables_only for r in json.loads(Path(f).read_text())["results"]]
+        print(markdown(aggregate(results, args.arms), args.arms, len(results)))
+        print(f"\nseeds: {[r['seed'] for r in results]}")
+        return
     torch.set_num_threads(1)
     overrides = ["trainer.threads=1", *args.overrides]
     out = Path(args.out)

@@ -59,17 +59,17 @@ class RLConfig:
     lr: float = 1.0e-3
     directions: list[str] = field(default_factory=lambda: ["t2i", "i2t"])  # text->image and image->text retrieval
     candidates: int = 32  # K candidates judged per query
-    selection: Literal["sample", "topk"] = "sample"  # K drawn from pi without replacement, or the K most probable
+    selection: Literal["sample", "topk"] = "topk"  # the K most probable, or K drawn from pi without replacement
     include_truth: bool = True  # the ground truth takes the last slot of a group that missed it
     temperature: float = 0.0  # tau of pi = softmax(sim / tau); 0 = the student's own 1 / exp(logit_scale)
     # "mean": A = r - mean over the K (plain REINFORCE); "policy": A = K pi_K (r - E_{pi_K} r), the exact gradient of
     # the expected reward over the K candidates (pi_K: pi renormalised on them); see losses.policy_weighted_advantages
-    advantage: Literal["mean", "policy"] = "mean"
+    advantage: Literal["mean", "policy"] = "policy"
     normalize_advantage: bool = False  # divide the advantages by the group's std
-    text_negatives: bool = False  # add the batch items' hard-negative captions to the text pool (built-in scenes)
+    text_negatives: bool = True  # add the batch items' hard-negative captions to the text pool (built-in scenes)
     bank_size: int = 2000  # training items in the memory bank (detached embeddings) added to the pool; 0 = batch only
     bank_refresh: int = 25  # steps between re-embedding the bank (a fresh random subset when bank_size < n)
-    anchor_weight: float = 0.0  # + weight * InfoNCE on the batch (keeps the contrastive objective in view)
+    anchor_weight: float = 1.0  # + weight * InfoNCE on the batch's texts (hard negatives included when drawn)
     kl_weight: float = 0.0  # + weight * KL(pi_start || pi) on the batch: distillation to the warm-start student
     max_grad_norm: float = 1.0
 
