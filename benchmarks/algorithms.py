@@ -44,11 +44,13 @@ def sft_start(seed: int, out: Path) -> tuple[Path, dict]:
     return run / "checkpoint-0", evals(run)[0]
 
 
-def run_algorithm(name: str, seed: int, start: Path, steps: int, out: Path) -> dict:
+def run_algorithm(name: str, seed: int, start: Path, steps: int, out: Path, tables_only: bool = False) -> dict:
     run = out / f"{name}-seed{seed}"
     done = run / "benchmark_result.json"  # a finished run is not repeated when the benchmark is restarted
     if done.exists() and json.loads(done.read_text()).get("steps") == steps:
         return json.loads(done.read_text())
+    if tables_only:
+        raise SystemExit(f"{done} is missing: run the benchmark for {name}, seed {seed} first")
     shutil.rmtree(run, ignore_errors=True)  # an unfinished run's folder: vlmrl would write to RUN-2 beside it
     wall = vlmrl_train([f"recipes/{name}.yaml", f"model.name_or_path={start}", "sft.steps=0",
                         f"trainer.seed={seed}", f"trainer.steps={steps}", "trainer.eval_every=0",
@@ -73,22 +75,27 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--algorithms", nargs="+", default=ALGORITHMS)
     p.add_argument("--out", default="/tmp/vlmrl-bench/algorithms")
+    p.add_argument("--tables-only", action="store_true", help="print the table from the finished runs in --out")
     args = p.parse_args()
     out = Path(args.out)
-    with ThreadPoolExecutor(args.jobs) as pool:
+    with ThreadPoolExecutor(1 if args.tables_only else args.jobs) as pool:
         starts = dict(zip(args.seeds, pool.map(lambda s: sft_start(s, out), args.seeds), strict=True))
         jobs = [(a, s) for s in args.seeds for a in args.algorithms]
-        results = list(pool.map(lambda j: run_algorithm(j[0], j[1], starts[j[1]][0], args.steps, out), jobs))
+        results = list(pool.map(lambda j: run_algorithm(j[0], j[1], starts[j[1]][0], args.steps, out,
+                                                        args.tables_only), jobs))
     start_greedy = [starts[s][1]["greedy/accuracy"] for s in args.seeds]
     start_sampled = [starts[s][1]["sampled/accuracy"] for s in args.seeds]
     print(f"| algorithm (recipe) | greedy acc. after RL | sampled acc. after RL | gain over the SFT start (greedy) "
-          f"| wall time per run |\n|---|---|---|---|---|\n| SFT start | {fmt(start_greedy)} | {fmt(start_sampled)} "
-          f"| | |")
+          f"| seeds above the start | greedy per seed | wall time per run |\n|---|---|---|---|---|---|---|\n"
+          f"| SFT start | {fmt(start_greedy)} | {fmt(start_sampled)} | | | "
+          f"{', '.join(f'{100 * g:.1f}' for g in start_greedy)} | |")
     for name in args.algorithms:
         rows = sorted((r for r in results if r["algorithm"] == name), key=lambda r: r["seed"])
         gains = [r["greedy"] - g for r, g in zip(rows, start_greedy, strict=True)]
         print(f"| {name} | {fmt([r['greedy'] for r in rows])} | {fmt([r['sampled'] for r in rows])} | "
-              f"{fmt(gains)} | {statistics.mean(r['wall_seconds'] for r in rows):.0f} s |")
+              f"{fmt(gains)} | {sum(g > 0 for g in gains)}/{len(gains)} | "
+              f"{', '.join(f'{100 * g:.1f}' for g in (r['greedy'] for r in rows))} | "
+              f"{statistics.mean(r['wall_seconds'] for r in rows):.0f} s |")
     (ROOT / "benchmarks/results").mkdir(parents=True, exist_ok=True)
     (ROOT / "benchmarks/results/algorithms.json").write_text(
         json.dumps({"starts": {s: v[1] for s, v in starts.items()}, "runs": results, "steps": args.steps}, indent=1))
