@@ -42,7 +42,8 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
             ctx.optimizer.zero_grad(set_to_none=True)
             if critic is not None:
                 critic.optimizer.zero_grad(set_to_none=True)
-            chunks = micro_batches(minibatch, row_tokens(prompts, traj), cfg.micro_batch, cfg.micro_batch_tokens)
+            lengths = row_tokens(prompts, traj) if cfg.micro_batch_tokens else None
+            chunks = micro_batches(minibatch, lengths, cfg.micro_batch, cfg.micro_batch_tokens)
             for i, rows in enumerate(chunks):
                 with no_sync(ctx.forward, last=i == len(chunks) - 1):
                     loss, parts = micro_batch_loss(ctx, prompts, traj, rows, mb_tokens, mb_seqs, warmup)
@@ -68,7 +69,7 @@ def row_tokens(prompts: PromptBatch, traj: Trajectories) -> tuple[Tensor, Tensor
     return prompts.attention_mask.sum(-1)[traj.prompt_index], traj.loss_mask.sum(-1)
 
 
-def micro_batches(rows: Tensor, lengths: tuple[Tensor, Tensor], max_rows: int = 0, max_tokens: int = 0
+def micro_batches(rows: Tensor, lengths: tuple[Tensor, Tensor] | None, max_rows: int = 0, max_tokens: int = 0
                   ) -> list[Tensor]:
     """Split a minibatch's row indices into forward/backward chunks.
 
