@@ -31,7 +31,7 @@ class TinyModelConfig:
     vision_dim: int = 96
     vision_heads: int = 4
     vocab_size: int = 512  # BPE vocabulary trained on the built-in tasks' text
-    initializer_range: float = 0.1  # 0.02 leaves the tiny model blind to the image (DESIGN.md)
+    initializer_range: float = 0.1  # 0.02 leaves the tiny model blind to the image (docs/concepts.md)
     # the saved image processor's pixel budget (model.min_pixels/max_pixels override it at load): 56-84 px scenes
     # are upscaled to 112 px = 16 image tokens; at their native size (4-9 tokens) the quickstart gained ~11 points
     min_pixels: int = 112 * 112
@@ -171,6 +171,9 @@ class TrainerConfig:
     tensorboard: bool = True
     threads: int = 0  # torch CPU threads (0 = torch's default)
     distributed: Literal["none", "ddp", "fsdp2"] = "none"  # data parallel under torchrun (gloo on CPU, NCCL on GPU)
+    # RL forwards without dropout (LoRA's adapter dropout included), so old, reference and training log-probs of the
+    # same weights agree and the first PPO/GSPO ratio is 1 (TRL's disable_dropout)
+    disable_dropout: bool = True
     wandb_project: str | None = None  # also log to this Weights & Biases project (pip install 'vlmrl[wandb]')
 
 

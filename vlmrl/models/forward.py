@@ -1,4 +1,10 @@
-"""The training forward: log-probs of completion tokens given their prompt, through the same embeddings as rollout."""
+"""The training forward: log-probs of completion tokens given their prompt, through the same embeddings as rollout.
+
+Memory is bounded by a chunk of tokens, not by the batch: the language-model head, the float32 log-softmax and the
+entropy run on at most `chunk_tokens` completion tokens at a time (only real tokens, never padding), so no
+`[rows, T, vocab]` tensor is ever held. With gradients, each chunk's logits are recomputed in backward
+(activation checkpointing of the head) instead of being kept; a batch that fits in one chunk skips the recompute.
+"""
 
 from __future__ import annotations
 
@@ -7,20 +13,66 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from vlmrl.models.batch import PromptBatch, PromptEmbeds
 
-
-def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
-    """log softmax(logits)[token], as logit[token] - logsumexp(logits): no full log-softmax tensor is kept."""
-    logits = logits.float()
-    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+# float32 logits per chunk (2**25 = 128 MiB): 220 tokens of a 151,936-token vocabulary, the whole batch of a tiny one
+LOGITS_CHUNK_ELEMENTS = 2**25
 
 
-def token_entropy(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) per position."""
-    logp = torch.log_softmax(logits.float(), -1)
-    return -(logp.exp() * logp).sum(-1)
+def chunk_tokens_for(vocab_size: int, elements: int = LOGITS_CHUNK_ELEMENTS) -> int:
+    """Completion tokens per head chunk so that one chunk's float32 logits hold at most `elements` values."""
+    return max(1, elements // max(vocab_size, 1))
+
+
+def _head_chunk(lm_head, hidden: Tensor, tokens: Tensor, temperature: float, with_entropy: bool,
+                entropy_grad: bool) -> tuple[Tensor, Tensor | None]:
+    """Log-prob of `tokens` [M] and the entropy under softmax(float32(lm_head(hidden)) / temperature).
+
+    The logits are upcast before the temperature is applied, exactly as the sampler does, so a bf16 model gives the
+    same log-probs in sampling and in training."""
+    logits = lm_head(hidden).float()
+    if temperature > 0:
+        logits = logits / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logprobs = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = None
+    if with_entropy:
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    return logprobs, entropy
+
+
+def token_scores(lm_head, hidden: Tensor, tokens: Tensor, mask: Tensor, temperature: float = 1.0,
+                 with_entropy: bool = False, entropy_grad: bool = False, chunk_tokens: int = 0
+                 ) -> tuple[Tensor, Tensor | None]:
+    """Per-token log-probs [N, T] (and entropies) of `tokens` [N, T] predicted from `hidden` [N, T, H], computed
+    only where `mask` is 1 (0 elsewhere), in chunks of `chunk_tokens` tokens (0 = all at once).
+
+    temperature 0 (greedy) counts as 1. The entropy is detached unless `entropy_grad`."""
+    n, t = tokens.shape
+    where = mask.reshape(-1).nonzero().squeeze(-1)
+    # no real token (e.g. every answer overlong-filtered): one position at weight 0, so the head still runs and the
+    # result stays in the autograd graph (a backward, and FSDP2's collectives, need it)
+    empty = len(where) == 0
+    if empty:
+        where = torch.zeros(1, dtype=torch.long, device=tokens.device)
+    flat_hidden = hidden.reshape(n * t, -1).index_select(0, where)
+    flat_tokens = tokens.reshape(-1).index_select(0, where)
+    size = chunk_tokens or max(len(where), 1)
+    recompute = torch.is_grad_enabled() and flat_hidden.requires_grad and len(where) > size
+    parts = []
+    for start in range(0, len(where), size):
+        args = (lm_head, flat_hidden[start:start + size], flat_tokens[start:start + size], temperature, with_entropy,
+                entropy_grad)
+        parts.append(checkpoint(_head_chunk, *args, use_reentrant=False) if recompute else _head_chunk(*args))
+    weight = 0.0 if empty else 1.0
+    zeros = torch.zeros(n, t, dtype=torch.float32, device=hidden.device)
+    place = (where // t, where % t)  # (a fresh tensor, not a view: FSDP2 hooks the outputs of the training forward)
+    logprobs = zeros.index_put(place, torch.cat([p[0] for p in parts]) * weight)
+    entropy = zeros.index_put(place, torch.cat([p[1] for p in parts]) * weight) if with_entropy else None
+    return logprobs, entropy
 
 
 class CompletionOutput(NamedTuple):
@@ -29,9 +81,17 @@ class CompletionOutput(NamedTuple):
     hidden: Tensor | None  # [N, T, H] final hidden states that predicted each token (for a value head)
 
 
+def head_chunk_tokens(family) -> int:
+    """Tokens per head chunk for this model's vocabulary (`LOGITS_CHUNK_ELEMENTS` float32 logits)."""
+    head = family.model.get_output_embeddings()
+    vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+    return chunk_tokens_for(vocab)
+
+
 def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, completion_mask: Tensor,
                         temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
-                        with_hidden: bool = False, rows: Tensor | None = None) -> CompletionOutput:
+                        with_hidden: bool = False, rows: Tensor | None = None,
+                        chunk_tokens: int | None = None) -> CompletionOutput:
     """Per-token log-probs [N, T] of `completion_ids` after their prompts.
 
     `prompt` holds one row per completion, or, with `rows`, one row per distinct prompt and `rows[n]` the prompt of
@@ -40,8 +100,9 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
 
     Completion tokens continue the prompt's positions (M-RoPE or 1-D), exactly as during generation, and the
     family's prompt extras (Qwen3-VL deepstack, Gemma 3 image-block attention) apply as in the prefill; logits are
-    divided by the sampling temperature (temperature 0 = greedy counts as 1). Padding positions hold 0. The entropy is
-    detached unless `entropy_grad` (an entropy bonus needs its gradient).
+    upcast to float32 and divided by the sampling temperature (temperature 0 = greedy counts as 1) in chunks of
+    `chunk_tokens` tokens (None: `head_chunk_tokens(family)`). Padding positions hold 0. The entropy is detached
+    unless `entropy_grad` (an entropy bonus needs its gradient).
     """
     n, t = completion_ids.shape
     if rows is None:
@@ -64,14 +125,9 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
             tail = family.forward_hidden(family.embed_tokens(completion_ids[:, :-1]), mask,
                                          expanded.completion_positions(0, t - 1), cache)
             hidden = torch.cat([hidden, tail], dim=1)
-    logits = family.lm_head(hidden)
-    if temperature > 0:
-        logits = logits / temperature
-    logprobs = token_logprobs(logits, completion_ids) * completion_mask
-    entropy = None
-    if with_entropy or entropy_grad:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = token_entropy(logits) * completion_mask
+    chunk = head_chunk_tokens(family) if chunk_tokens is None else chunk_tokens
+    logprobs, entropy = token_scores(family.lm_head, hidden, completion_ids, completion_mask, temperature,
+                                     with_entropy or entropy_grad, entropy_grad, chunk)
     return CompletionOutput(logprobs, entropy, hidden if with_hidden else None)
 
 
@@ -87,14 +143,19 @@ def sequence_logprobs(policy, prompts: PromptBatch, prompt_index: Tensor, comple
     sub = prompts.subset(used) if used != list(range(len(prompts))) else prompts
     local = {p: i for i, p in enumerate(used)}
     rows = torch.tensor([local[p] for p in prompt_index.tolist()], device=completion_ids.device)
-    embeds = policy.family.prompt_embeds(sub)
-    # one answer per prompt: nothing to share; transformers turns the KV cache off under gradient checkpointing
-    if len(used) == len(rows) or getattr(policy.model, "is_activation_checkpointing", False):
+    family = policy.family
+    embeds = family.prompt_embeds(sub)
+    # one answer per prompt: nothing to share, unless every forward must run the same modules (FSDP2: then the
+    # shared path always, its tail included); transformers turns the KV cache off under gradient checkpointing
+    checkpointed = getattr(policy.model, "is_activation_checkpointing", False)
+    if checkpointed or (len(used) == len(rows) and not family.uniform_calls):
         embeds, rows = embeds.select(rows), None
     full = completion_ids.shape[1]
     live = completion_mask.any(0).nonzero()
     width = int(live.max()) + 1 if len(live) else 1
-    out = completion_logprobs(policy.family, embeds, completion_ids[:, :width], completion_mask[:, :width],
+    if family.uniform_calls:
+        width = max(width, min(2, full))
+    out = completion_logprobs(family, embeds, completion_ids[:, :width], completion_mask[:, :width],
                               temperature, rows=rows, **kwargs)
     if width == full:
         return out

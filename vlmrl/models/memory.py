@@ -50,7 +50,12 @@ def estimate(cfg: Config, prompt_tokens: int) -> dict[str, float]:
     - training_activations: micro_batch rows of S = prompt + max_new tokens; checkpointed: layers x m x S x hidden
       x 2 bytes (saved layer inputs) + one layer's working set (~(12 hidden + 4 intermediate) x m x S x 2 bytes);
       without checkpointing every layer keeps its working set
-    - logits: m x max_new_tokens x vocab x 10 bytes (bf16 logits, their float32 copy, log-softmax for the entropy)
+    - logits: one head chunk, never the batch: every log-prob pass runs the head on at most
+      `vlmrl.models.forward.chunk_tokens_for(vocab)` tokens at a time (2^25 float32 logits) and recomputes them in
+      backward, so ~4 float32 copies of one chunk (logits, softmax for the entropy, their gradient) plus the
+      [m x max_new_tokens x hidden] hidden states the head reads
+    - the no-grad passes (old log-probs, reference, critic values) run in the same chunks of rows and hold no
+      gradients, so they are smaller than the training forward and are not added
     """
     from transformers import AutoModelForImageTextToText
 
@@ -100,7 +105,10 @@ def estimate(cfg: Config, prompt_tokens: int) -> dict[str, float]:
         out["training_activations"] = (layers * micro * seq * hidden * 2 + working) / GB
     else:
         out["training_activations"] = layers * working / GB
-    out["logits"] = micro * r.max_new_tokens * text.vocab_size * 10 / GB
+    from vlmrl.models.forward import chunk_tokens_for
+
+    chunk = min(chunk_tokens_for(text.vocab_size), micro * r.max_new_tokens)
+    out["logits"] = (chunk * text.vocab_size * 4 * 4 + micro * r.max_new_tokens * hidden * 4) / GB
     # generation and the training forward do not overlap; the larger of the two is the peak
     out["peak"] = (out["weights"] + out["gradients+adamw"] + out["reference"]
                    + max(out["kv_cache"] + out["generation_peak"], out["training_activations"] + out["logits"]))

@@ -3,10 +3,11 @@ checkpoints included."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,17 @@ class Policy:
     @property
     def has_adapters(self) -> bool:
         return hasattr(self.model, "disable_adapter")
+
+    def with_model(self, model: torch.nn.Module, **changes) -> Policy:
+        """This policy around another model (e.g. merged adapters): a new family on it, with the same autocast
+        setting, and the same processor and token ids."""
+        family = type(self.family)(model)
+        family.autocast_dtype = self.family.autocast_dtype
+        return replace(self, model=model, family=family, **changes)
+
+    def clone(self) -> Policy:
+        """An independent copy of the weights (the frozen reference, a separate critic); the processor is shared."""
+        return self.with_model(copy.deepcopy(self.model))
 
     def save_pretrained(self, path: str | Path) -> None:
         """A folder `load_policy` reads back: the full model, or under LoRA the adapters plus a pointer to the base

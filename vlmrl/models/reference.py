@@ -8,7 +8,6 @@ copy of the model is kept in memory.
 from __future__ import annotations
 
 import contextlib
-import copy
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,8 +15,8 @@ import torch
 from torch import Tensor
 
 from vlmrl.models.batch import PromptBatch
-from vlmrl.models.forward import sequence_logprobs
 from vlmrl.models.policy import Policy, load_policy
+from vlmrl.models.scoring import score_batch
 
 
 class Reference:
@@ -38,10 +37,7 @@ class Reference:
             return cls(policy)
         if checkpoint is not None:
             return cls(policy, load_policy(checkpoint, **load_kwargs))
-        frozen = copy.deepcopy(policy)
-        frozen.family = type(policy.family)(frozen.model)
-        frozen.family.autocast_dtype = policy.family.autocast_dtype
-        return cls(policy, frozen)
+        return cls(policy, policy.clone())
 
     @property
     def shares_weights(self) -> bool:
@@ -64,7 +60,9 @@ class Reference:
 
     @torch.no_grad()
     def logprobs(self, prompts: PromptBatch, prompt_index: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-                 temperature: float) -> Tensor:
-        """Per-token log-probs [N, T] of the completions under the reference (0 on padding)."""
+                 temperature: float, micro_batch: int = 0, micro_batch_tokens: int = 0) -> Tensor:
+        """Per-token log-probs [N, T] of the completions under the reference (0 on padding), in the update's chunks.
+        Under FSDP2 with LoRA call it with full parameters (inside `gathered(forward)`): it runs the policy itself."""
         with self.active() as ref:
-            return sequence_logprobs(ref, prompts, prompt_index, completion_ids, completion_mask, temperature).logprobs
+            return score_batch(ref, prompts, prompt_index, completion_ids, completion_mask, temperature, micro_batch,
+                               micro_batch_tokens).logprobs

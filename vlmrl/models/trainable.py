@@ -55,6 +55,23 @@ def configure_training(policy: Policy, m: ModelConfig) -> Policy:
     return policy
 
 
+def disable_dropout(model: torch.nn.Module) -> int:
+    """Set every dropout rate to 0: `nn.Dropout` modules (LoRA's adapter dropout included) and the float rates that
+    attention layers read at call time. RL compares log-probs of one weights across passes (old, reference, training
+    forward); dropout in some of them would make the first ratio differ from 1 and the KL noisy. Returns the count."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p = 0.0
+            changed += 1
+        for attr in ("attention_dropout", "dropout", "hidden_dropout", "activation_dropout"):
+            value = getattr(module, attr, None)
+            if isinstance(value, float) and value > 0:
+                setattr(module, attr, 0.0)
+                changed += 1
+    return changed
+
+
 def lora_targets(policy: Policy, cfg: LoraConfig) -> list[str]:
     """Full names of the linear layers to adapt: those of the decoder (and of the vision tower with include_vision,
     projector excluded) whose last name part is in `cfg.target_modules` (all linear layers when it is null)."""
@@ -107,10 +124,7 @@ def merge_lora(policy: Policy) -> Policy:
     """The same policy with its adapters merged into the weights (W + alpha/r * B A) and the PEFT wrapper removed."""
     if not policy.has_adapters:
         return policy
-    merged = policy.model.merge_and_unload()
-    family = type(policy.family)(merged)
-    family.autocast_dtype = policy.family.autocast_dtype
-    return Policy(merged, policy.processor, family, policy.eos_token_ids, policy.pad_token_id, None)
+    return policy.with_model(policy.model.merge_and_unload(), base_model=None)
 
 
 def merge_checkpoint(checkpoint: str | Path, out: str | Path, dtype: str = "float32") -> Path:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
-from vlmrl.models.qwen_vl import PromptBatch
 
 
 def make_prompts(policy: Policy, samples: list[dict], template: str = "{problem}",

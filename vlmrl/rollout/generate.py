@@ -2,7 +2,8 @@
 
 Each prompt's images go through the vision tower once; the prompt embeddings are then repeated for the G answers of
 its group (not the pixels). The loop records each sampled token's log-probability under the temperature-scaled
-distribution — the same quantity the training forward recomputes — so it can serve as the old log-probs.
+distribution (logits upcast to float32 first) — the same quantity the training forward recomputes; the update
+logs the gap between the two (rollout/logprob_gap_*).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
-from vlmrl.models.qwen_vl import PromptBatch
 
 
 @dataclass
@@ -26,7 +27,7 @@ class Rollout:
     logprobs: Tensor  # [N, T] sampling-time log-probs (0 on padding)
     truncated: Tensor  # [N] bool: hit max_new_tokens without an end token
     texts: list[str]  # decoded completions, end token stripped
-    engine: str = "hf"  # which sampler made it ("hf": the built-in one, whose log-probs are the training forward's)
+    engine: str = "hf"  # which sampler made it (logs only: old log-probs never depend on it)
 
     @property
     def lengths(self) -> Tensor:

@@ -8,14 +8,13 @@ Two layouts, chosen by `algorithm.critic`:
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import Tensor, nn
 
+from vlmrl.models.batch import PromptBatch
 from vlmrl.models.forward import sequence_logprobs
 from vlmrl.models.policy import Policy
-from vlmrl.models.qwen_vl import PromptBatch
+from vlmrl.models.scoring import score_batch
 
 
 class Critic:
@@ -25,8 +24,7 @@ class Critic:
         self.mode = mode
         self.trunk = policy
         if mode == "separate":
-            self.trunk = copy.deepcopy(policy)
-            self.trunk.family = type(policy.family)(self.trunk.model)
+            self.trunk = policy.clone()  # (its family keeps the policy's autocast setting)
         hidden = policy.model.config.text_config.hidden_size
         self.head = nn.Linear(hidden, 1).to(policy.model.device)
         nn.init.zeros_(self.head.weight)
@@ -41,10 +39,14 @@ class Critic:
         return self.head(hidden.float()).squeeze(-1) * mask
 
     def values(self, prompts: PromptBatch, prompt_index: Tensor, ids: Tensor, mask: Tensor,
-               temperature: float) -> Tensor:
-        """A forward of the critic's trunk (the policy itself in "head" mode)."""
-        out = sequence_logprobs(self.trunk, prompts, prompt_index, ids, mask, temperature, with_hidden=True)
-        return self.values_from_hidden(out.hidden, mask)
+               temperature: float, micro_batch: int = 0, micro_batch_tokens: int = 0) -> Tensor:
+        """A forward of the critic's trunk (the policy itself in "head" mode); with gradients for the separate
+        critic's update, else (no grad) in the update's chunks of rows."""
+        if torch.is_grad_enabled():
+            out = sequence_logprobs(self.trunk, prompts, prompt_index, ids, mask, temperature, with_hidden=True)
+            return self.values_from_hidden(out.hidden, mask)
+        return score_batch(self.trunk, prompts, prompt_index, ids, mask, temperature, micro_batch, micro_batch_tokens,
+                           hidden_fn=self.values_from_hidden).hidden
 
     def state_dict(self) -> dict:
         state = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}

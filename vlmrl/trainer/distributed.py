@@ -28,6 +28,8 @@ class DistInfo:
     mode: str = "none"  # none | ddp | fsdp2
     rank: int = 0
     world: int = 1
+    local_rank: int = 0
+    device: str = "cpu"  # this process's device: model.device, with "cuda" mapped to cuda:LOCAL_RANK under torchrun
 
     @property
     def active(self) -> bool:
@@ -38,14 +40,38 @@ class DistInfo:
         return self.rank == 0
 
 
+def process_device(device: str, local_rank: int, world: int) -> str:
+    """The device of this process: under torchrun each rank takes its own GPU, `cuda` -> `cuda:LOCAL_RANK`.
+
+    An explicit `cuda:K` is kept in a single process and refused under torchrun with several ranks (all of them would
+    share GPU K, which NCCL rejects)."""
+    if not device.startswith("cuda") or world == 1:
+        return device
+    if device not in ("cuda", f"cuda:{local_rank}"):
+        raise ValueError(f"model.device={device!r} under torchrun with {world} processes: use model.device=cuda, and "
+                         f"each rank takes cuda:LOCAL_RANK")
+    return f"cuda:{local_rank}"
+
+
 def init_distributed(mode: str, device: str) -> DistInfo:
-    """Join the process group torchrun set up (RANK / WORLD_SIZE); a plain `python -m vlmrl` run is world size 1."""
+    """Join the process group torchrun set up (RANK / WORLD_SIZE / LOCAL_RANK); a plain `python -m vlmrl` run is
+    world size 1. On GPUs every rank binds its own device (`cuda:LOCAL_RANK`) before NCCL starts, and the policy,
+    reference, critic and vLLM engine are all placed on `DistInfo.device`."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if mode == "none" or world == 1:
-        return DistInfo(mode, 0, 1)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    return DistInfo(mode, dist.get_rank(), dist.get_world_size())
+        device = process_device(device, 0, 1)
+        if device.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.set_device(torch.device(device))
+        return DistInfo(mode, 0, 1, 0, device)
+    device = process_device(device, local_rank, world)
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    elif not dist.is_initialized():
+        dist.init_process_group("gloo")
+    return DistInfo(mode, dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
 def shard(n: int, info: DistInfo) -> tuple[int, int]:
@@ -60,6 +86,13 @@ def all_sum(x: float | Tensor, info: DistInfo) -> Tensor:
     t = torch.as_tensor(x, dtype=torch.float64).clone()
     if info.active:
         dist.all_reduce(t)
+    return t
+
+
+def all_max(x: float | Tensor, info: DistInfo) -> Tensor:
+    t = torch.as_tensor(x, dtype=torch.float64).clone()
+    if info.active:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t
 
 
@@ -108,12 +141,21 @@ def wrap(policy: Policy, info: DistInfo) -> nn.Module:
             raise ValueError(f"fsdp2: {type(policy.model).__name__} names no transformer blocks (_no_split_modules)")
         for block in blocks:
             fully_shard(block)
+        policy.family.dummy_vision = dummy_image_batch(policy)
         fully_shard(module)
         # Generation calls submodules directly, before any root forward; FSDP2 must know the root first, which
         # it learns in its (private) lazy init, normally run by the root's first forward.
         module._get_fsdp_state()._lazy_init()
         return module
     raise ValueError(f"trainer.distributed must be 'none', 'ddp' or 'fsdp2', got {info.mode!r}")
+
+
+def dummy_image_batch(policy: Policy):
+    """One blank image through the policy's own processor: what text-only forwards run the vision tower on under
+    FSDP2 (see VLFamily.zero_vision_term)."""
+    from PIL import Image
+
+    return policy.processor([""], [[Image.new("RGB", (56, 56))]], ["fsdp2-vision-dummy"])
 
 
 @contextlib.contextmanager

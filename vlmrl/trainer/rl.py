@@ -10,50 +10,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from vlmrl.algorithms.advantages import ADVANTAGES, nonzero_variance_groups, zero_variance_fraction
 from vlmrl.algorithms.kl import kl_estimate
-from vlmrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from vlmrl.eval.generative import correctness
-from vlmrl.models.forward import sequence_logprobs
-from vlmrl.models.policy import Policy
-from vlmrl.models.qwen_vl import PromptBatch, concat_prompt_batches
-from vlmrl.models.reference import Reference
-from vlmrl.rewards import RewardOutput, RewardSpec, compute_rewards
+from vlmrl.models.batch import PromptBatch, concat_prompt_batches
+from vlmrl.models.scoring import logprob_gap, score_batch
+from vlmrl.rewards import RewardOutput, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import Rollout, concat_rollouts, generate
-from vlmrl.trainer.distributed import DistInfo, TrainingForward, gathered
-
-
-@dataclass
-class StepContext:
-    """What an RL step needs besides its prompts: the models, the optimizer and the recipe's sections."""
-
-    policy: Policy
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    rewards: list[RewardSpec]
-    rollout: RolloutConfig
-    algorithm: AlgorithmConfig
-    trainer: TrainerConfig
-    template: str = "{problem}"
-    max_prompt_length: int | None = None
-    reference: Reference | None = None  # the RL start, when algorithm.beta > 0 and for DPO (vlmrl.models.reference)
-    critic: object | None = None  # vlmrl.trainer.critic.Critic, for advantage "gae"
-    generator: torch.Generator | None = None
-    step: int = 0
-    prompt_offset: int = 0  # global position of this process's first prompt (data-parallel ranks shard the step)
-    dist: DistInfo = field(default_factory=DistInfo)
-    forward: torch.nn.Module | None = None  # the training forward, wrapped by DDP/FSDP2 when distributed
-    engine: object | None = None  # rollout.engine=vllm: vlmrl.rollout.vllm_engine.VLLMEngine (None: built-in sampler)
-
-    def __post_init__(self):
-        if self.forward is None:
-            self.forward = TrainingForward(self.policy)
+from vlmrl.trainer.distributed import gathered
+from vlmrl.trainer.types import StepContext, Trajectories
+from vlmrl.trainer.update import update
 
 
 def prompt_seed(seed: int, step: int, round_index: int, position: int) -> int:
@@ -73,20 +44,6 @@ class Batch:
     columns: dict[str, list]
     baseline_rewards: Tensor | None = None  # ReMax: reward of the prompt's greedy answer, per row
     stats: dict[str, float] = field(default_factory=dict)
-
-
-class Trajectories(NamedTuple):
-    """Stage III output: everything the update needs, one row per trajectory (rows of a group contiguous)."""
-
-    prompt_index: Tensor  # [N]
-    completion_ids: Tensor  # [N, T]
-    loss_mask: Tensor  # [N, T] tokens that receive gradient (overlong filtering may drop truncated answers)
-    old_logprobs: Tensor  # [N, T] behaviour-policy log-probs
-    ref_logprobs: Tensor | None  # [N, T] frozen reference
-    advantages: Tensor  # [N] or [N, T]
-    rewards: Tensor  # [N] the sequence rewards the advantages came from
-    old_values: Tensor | None = None  # [N, T] critic values at rollout time (gae)
-    returns: Tensor | None = None  # [N, T] value targets (gae)
 
 
 # -- Stage I: collect ------------------------------------------------------------------------------------------------
@@ -179,26 +136,30 @@ def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[
 
 # -- Stage III: trajectories -----------------------------------------------------------------------------------------
 def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
-    """Old log-probs (from generation when the batch is used once, else recomputed), reference log-probs and the
-    per-token KL when a reference exists, critic values for gae, then advantages by the named estimator."""
+    """Old log-probs (recomputed when the batch is reused; when it is used once the update's own forward gives
+    them), reference log-probs and the per-token KL when a reference exists, critic values for gae, then advantages
+    by the named estimator. Every pass scores the batch in the update's chunks (`score_batch`), with full parameters
+    under FSDP2 (the reference of a LoRA policy is the policy itself, adapters disabled)."""
     algo, rollout, temp = ctx.algorithm, batch.rollout, ctx.rollout.temperature
     mask = rollout.completion_mask
     args = (batch.prompts, rollout.prompt_index, rollout.completion_ids, mask, temp)
-    with torch.no_grad():
-        # the sampler's log-probs serve as old log-probs when the batch is used once, unless another engine (vLLM,
-        # other kernels) sampled it: then the training forward recomputes them (the gap is logged in rl_step)
-        if ctx.trainer.ppo_epochs * ctx.trainer.minibatches == 1 and rollout.engine == "hf":
-            old = rollout.logprobs
-        else:
-            ctx.policy.model.eval()
-            with gathered(ctx.forward):
-                old = sequence_logprobs(ctx.policy, *args).logprobs
-            ctx.policy.model.train()
-        ref = ctx.reference.logprobs(*args) if ctx.reference is not None else None
-        values = ctx.critic.values(*args) if ctx.critic is not None else None
+    chunks = {"micro_batch": ctx.trainer.micro_batch, "micro_batch_tokens": ctx.trainer.micro_batch_tokens}
+    reward_kl = algo.kl_in == "reward" and algo.beta > 0 and ctx.reference is not None
+    old = ref = values = policy_logprobs = None
+    ctx.policy.model.eval()
+    with gathered(ctx.forward):
+        if not ctx.batch_used_once or reward_kl:  # the policy's log-probs before the update
+            policy_logprobs = score_batch(ctx.policy, *args, **chunks).logprobs
+        if not ctx.batch_used_once:
+            old = policy_logprobs
+        if ctx.reference is not None:
+            ref = ctx.reference.logprobs(*args, **chunks)
+        if ctx.critic is not None:
+            values = ctx.critic.values(*args, **chunks)
+    ctx.policy.model.train()
     rewards = batch.rewards.total
-    kl = kl_estimate(old, ref, algo.kl_estimator) * mask if ref is not None else None
-    reward_kl_beta = algo.beta if algo.kl_in == "reward" else 0.0
+    kl = kl_estimate(policy_logprobs, ref, algo.kl_estimator) * mask if reward_kl else None
+    reward_kl_beta = algo.beta if reward_kl else 0.0
     if reward_kl_beta and algo.advantage in ("grpo", "rloo", "remax"):  # sequence-level estimators: fold sum_t KL
         rewards = rewards - reward_kl_beta * kl.sum(-1)
     adv = ADVANTAGES[algo.advantage](
@@ -207,15 +168,13 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
         baseline_rewards=batch.baseline_rewards)
     loss_mask = mask * (~rollout.truncated).long()[:, None] if algo.overlong_filter else mask
     return Trajectories(rollout.prompt_index, rollout.completion_ids, loss_mask, old, ref, adv.advantages, rewards,
-                        values, adv.returns)
+                        values, adv.returns, rollout.logprobs)
 
 
 # -- Stage IV: update -> vlmrl/trainer/update.py ---------------------------------------------------------------------
 def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None
             ) -> tuple[dict[str, float], dict]:
     """One generation step: returns its metrics and a rollout-gallery entry for the first prompt."""
-    from vlmrl.trainer.update import update
-
     t0 = time.perf_counter()
     vision_before = ctx.policy.family.vision_calls
     batch = collect_and_score(ctx, samples)
@@ -226,12 +185,13 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
     t1 = time.perf_counter()
     traj = build_trajectories(ctx, batch)
     metrics = update(ctx, batch.prompts, traj)
+    if traj.old_logprobs is not None:  # recomputed before the update: the sampler's gap to them (else the update's)
+        total, largest, count = logprob_gap(batch.rollout.logprobs, traj.old_logprobs, batch.rollout.completion_mask)
+        metrics["rollout/logprob_gap_mean"] = total / max(count, 1)
+        metrics["rollout/logprob_gap_max"] = largest
     if ctx.engine is not None:  # the next step samples from the updated weights
         with gathered(ctx.forward):
             ctx.engine.push_weights(ctx.policy)
-        gap = (batch.rollout.logprobs - traj.old_logprobs).abs()[batch.rollout.completion_mask.bool()]
-        metrics["rollout/engine_logprob_gap_max"] = gap.max().item() if gap.numel() else 0.0
-        metrics["rollout/engine_logprob_gap_mean"] = gap.mean().item() if gap.numel() else 0.0
     t2 = time.perf_counter()
     g = ctx.rollout.group_size
     rollout = first.rollout  # accuracy and lengths describe the i.i.d. sample, before any filtering
@@ -247,7 +207,14 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
         "vision_forward_calls_rollout": vision_calls,
         "time/collect_score": t1 - t0, "time/update": t2 - t1,
         "rollouts_per_second": len(rollout.texts) / (t2 - t0),
+        # tokens this rank processed (prompts once per answer, as the training forward sees them, plus answers)
+        "tokens_per_second": float(batch.prompts.attention_mask.sum(-1)[batch.rollout.prompt_index].sum()
+                                   + batch.rollout.lengths.sum()) / (t2 - t0),
     })
+    device = ctx.policy.family.device
+    if device.type == "cuda":  # this rank's peak GPU memory during the step
+        metrics["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3
+        torch.cuda.reset_peak_memory_stats(device)
     s = first.samples[0]
     gallery = {"id": s["id"], "problem": s["problem"], "solution": s["solution"], "answers": rollout.texts[:g],
                "rewards": first.rewards.total[:g].tolist(), "correct": correct[:g],

@@ -20,7 +20,7 @@ from vlmrl.eval.generative import evaluate
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
 from vlmrl.models.reference import Reference
-from vlmrl.models.trainable import configure_training, start_lora
+from vlmrl.models.trainable import configure_training, disable_dropout, start_lora
 from vlmrl.rewards import RewardSpec, resolve_reward
 from vlmrl.trainer.checkpoint import load_state, restore_rng, rng_state, save_checkpoint
 from vlmrl.trainer.critic import Critic
@@ -91,7 +91,8 @@ def build_policy(cfg: Config, run_dir: Path, dist_info=None) -> Policy:
             build_tiny_vlm(name, vocabulary_texts(cfg.data.seed), m.tiny, seed=cfg.trainer.seed)
         if dist_info is not None:
             barrier(dist_info)
-    return configure_training(load_policy(name, m.dtype, m.device, m.min_pixels, m.max_pixels, m.autocast), m)
+    device = m.device if dist_info is None else dist_info.device  # cuda:LOCAL_RANK under torchrun
+    return configure_training(load_policy(name, m.dtype, device, m.min_pixels, m.max_pixels, m.autocast), m)
 
 
 class PromptStream:
@@ -239,11 +240,13 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     checkpoint's state when resuming."""
     d, m, algo, t = cfg.data, cfg.model, cfg.algorithm, cfg.trainer
     offline_dpo = d.preferences is not None
+    if t.disable_dropout:
+        disable_dropout(policy.model)
     reference = None
     if algo.beta > 0 or algo.policy_loss == "dpo" or offline_dpo:
         # the RL start: a frozen copy (checkpoint-0 when resuming), or under LoRA the policy with adapters disabled
         reference = Reference.of(policy, None if resume_state is None else run_dir / "checkpoint-0", dtype=m.dtype,
-                                 device=m.device, min_pixels=m.min_pixels, max_pixels=m.max_pixels,
+                                 device=dist_info.device, min_pixels=m.min_pixels, max_pixels=m.max_pixels,
                                  autocast=m.autocast)
     dpo, train_set = None, data.train
     if offline_dpo:
@@ -292,10 +295,10 @@ def start_vllm(cfg: Config, ctx: StepContext, run_dir: Path, dist_info):
     if ctx.policy.has_adapters:
         merged = run_dir / "vllm_start"
         if dist_info.is_main and not merged.exists():
-            merge_checkpoint(start, merged)
+            merge_checkpoint(start, merged, dtype=cfg.model.dtype)  # the precision training runs in
         barrier(dist_info)
         start = merged
-    engine = VLLMEngine(start, cfg.rollout.vllm, seed=cfg.trainer.seed)
+    engine = VLLMEngine(start, cfg.rollout.vllm, seed=cfg.trainer.seed, device=dist_info.device)
     with gathered(ctx.forward):
         engine.push_weights(ctx.policy)
     return engine
@@ -344,7 +347,8 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         policy, summary["start"] = warm_start(cfg, run_dir, data, rewards, generator, logger, progress, dist_info)
     else:
         m = cfg.model
-        policy = configure_training(load_policy(resume, m.dtype, m.device, m.min_pixels, m.max_pixels, m.autocast), m)
+        policy = configure_training(load_policy(resume, m.dtype, dist_info.device, m.min_pixels, m.max_pixels,
+                                                m.autocast), m)
         summary["start"] = resume_state.get("start_eval", {})
     job = prepare_rl(cfg, policy, run_dir, data, rewards, generator, dist_info, summary["start"], resume,
                      resume_state)

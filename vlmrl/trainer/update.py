@@ -12,9 +12,10 @@ from torch import Tensor
 
 from vlmrl.algorithms.kl import kl_estimate
 from vlmrl.algorithms.losses import POLICY_LOSSES, aggregate, dpo_loss, masked_mean, value_loss
-from vlmrl.models.qwen_vl import PromptBatch
-from vlmrl.trainer.distributed import all_sum, no_sync
-from vlmrl.trainer.rl import StepContext, Trajectories
+from vlmrl.models.batch import PromptBatch
+from vlmrl.models.scoring import logprob_gap, micro_batches, row_lengths
+from vlmrl.trainer.distributed import all_max, all_sum, no_sync
+from vlmrl.trainer.types import StepContext, Trajectories
 
 
 def _clip_and_step(params: list, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
@@ -31,8 +32,8 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
     warmup = critic is not None and ctx.step <= algo.critic_warmup_steps  # train only the critic
     policy_params = [p for p in ctx.policy.model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
-    updates = 0
-    for _ in range(cfg.ppo_epochs):
+    updates, gap_sum, gap_max, gap_count = 0, 0.0, 0.0, 0
+    for epoch in range(cfg.ppo_epochs):
         order = torch.randperm(n, generator=ctx.generator) if cfg.minibatches > 1 else torch.arange(n)
         for minibatch in order.chunk(cfg.minibatches):
             # normalise by the whole minibatch across ranks; DDP/FSDP2 average gradients over ranks, hence / world
@@ -43,11 +44,17 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
             if critic is not None:
                 critic.optimizer.zero_grad(set_to_none=True)
             lengths = row_tokens(prompts, traj) if cfg.micro_batch_tokens else None
-            chunks = micro_batches(minibatch, lengths, cfg.micro_batch, cfg.micro_batch_tokens)
+            chunks = padded_chunks(micro_batches(minibatch, lengths, cfg.micro_batch, cfg.micro_batch_tokens), ctx)
             for i, rows in enumerate(chunks):
                 with no_sync(ctx.forward, last=i == len(chunks) - 1):
+                    if rows is None:  # this rank has no rows left: a zero-weight forward keeps the ranks in step
+                        idle_forward(ctx, prompts, traj)
+                        continue
                     loss, parts = micro_batch_loss(ctx, prompts, traj, rows, mb_tokens, mb_seqs, warmup)
                     loss.backward()
+                gap = parts.pop("_gap", None)
+                if gap is not None and epoch == 0 and updates == 0:  # same weights as the sampler's
+                    gap_sum, gap_max, gap_count = gap_sum + gap[0], max(gap_max, gap[1]), gap_count + gap[2]
                 for key, value in parts.items():  # losses already carry their share; means are weighted here
                     weight = 1.0 if key in ("loss", "value_loss") else len(rows) / len(minibatch)
                     sums[key] = sums.get(key, 0.0) + value * weight
@@ -61,37 +68,36 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
     ctx.scheduler.step()
     metrics = {k: v / updates for k, v in sums.items()}
     metrics["lr"] = ctx.scheduler.get_last_lr()[0]
+    if traj.old_logprobs is None and traj.sample_logprobs is not None:  # the sampler vs the update's own forward
+        metrics["rollout/logprob_gap_mean"] = gap_sum / max(gap_count, 1)
+        metrics["rollout/logprob_gap_max"] = gap_max
     return metrics
+
+
+def idle_forward(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> None:
+    """One row's forward and backward with a zero loss: the collectives of a chunk, none of its gradient."""
+    row = torch.zeros(1, dtype=torch.long)
+    out = ctx.forward(prompts, traj.prompt_index[row], traj.completion_ids[row], traj.loss_mask[row].clamp(min=1),
+                      ctx.rollout.temperature, with_hidden=ctx.critic is not None and ctx.critic.mode == "head")
+    loss = out.logprobs.sum() * 0.0
+    if out.hidden is not None:
+        loss = loss + ctx.critic.values_from_hidden(out.hidden, traj.loss_mask[row]).sum() * 0.0
+    loss.backward()
 
 
 def row_tokens(prompts: PromptBatch, traj: Trajectories) -> tuple[Tensor, Tensor]:
     """Per trajectory row: its prompt's length (left padding excluded) and its completion's length [N], [N]."""
-    return prompts.attention_mask.sum(-1)[traj.prompt_index], traj.loss_mask.sum(-1)
+    return row_lengths(prompts, traj.prompt_index, traj.loss_mask)
 
 
-def micro_batches(rows: Tensor, lengths: tuple[Tensor, Tensor] | None, max_rows: int = 0, max_tokens: int = 0
-                  ) -> list[Tensor]:
-    """Split a minibatch's row indices into forward/backward chunks.
-
-    Without a token budget: consecutive chunks of `max_rows` (0 = one chunk). With `max_tokens`: rows go longest
-    first (prompt + completion), and a chunk closes before its padded size, rows x (longest prompt + longest
-    completion), would pass `max_tokens` or its row count `max_rows`; a row longer than the budget goes alone. Every
-    row lands in exactly one chunk; the order of rows never changes the gradient (losses are normalised by the whole
-    minibatch).
-    """
-    if not max_tokens:
-        return list(rows.split(max_rows or len(rows)))
-    prompt_len, completion_len = (x[rows] for x in lengths)
-    order = torch.argsort(prompt_len + completion_len, descending=True, stable=True)
-    chunks, current, p_max, c_max = [], [], 0, 0
-    for i in order.tolist():
-        p, c = max(p_max, int(prompt_len[i])), max(c_max, int(completion_len[i]))
-        if current and ((len(current) + 1) * (p + c) > max_tokens or len(current) == (max_rows or len(rows))):
-            chunks.append(rows[current])
-            current, p, c = [], int(prompt_len[i]), int(completion_len[i])
-        current.append(i)
-        p_max, c_max = p, c
-    return chunks + [rows[current]]
+def padded_chunks(chunks: list[Tensor], ctx: StepContext) -> list[Tensor | None]:
+    """`chunks`, then `None` (a zero-weight forward/backward) until every rank has as many as the rank with the most:
+    FSDP2 gathers and reduces parameters in every forward and backward, so all ranks must run the same sequence of
+    them whatever their data (a token budget gives longer answers more chunks)."""
+    if not ctx.dist.active:
+        return list(chunks)
+    most = int(all_max(len(chunks), ctx.dist))
+    return list(chunks) + [None] * (most - len(chunks))
 
 
 def micro_batch_loss(ctx: StepContext, prompts: PromptBatch, traj: Trajectories, rows: Tensor, mb_tokens: Tensor,
@@ -102,7 +108,9 @@ def micro_batch_loss(ctx: StepContext, prompts: PromptBatch, traj: Trajectories,
     out = ctx.forward(prompts, traj.prompt_index[rows], traj.completion_ids[rows], mask, ctx.rollout.temperature,
                       with_entropy=True, entropy_grad=algo.entropy_coef > 0,
                       with_hidden=critic is not None and critic.mode == "head")
-    pl = POLICY_LOSSES[algo.policy_loss](out.logprobs, traj.old_logprobs[rows], traj.advantages[rows], mask,
+    # used once: the old log-probs are this forward's own (detached), so the first ratio is exactly 1
+    old = out.logprobs.detach() if traj.old_logprobs is None else traj.old_logprobs[rows]
+    pl = POLICY_LOSSES[algo.policy_loss](out.logprobs, old, traj.advantages[rows], mask,
                                          epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
                                          dual_clip=algo.dual_clip)
     per_token = pl.per_token_loss
@@ -129,6 +137,8 @@ def micro_batch_loss(ctx: StepContext, prompts: PromptBatch, traj: Trajectories,
         loss = loss + (algo.vf_coef if critic.mode == "head" else 1.0) * vl
         parts.update({"value_loss": vl.item(), "value_clip_fraction": vclip.item()})
     parts["loss"] = loss.item()
+    if traj.old_logprobs is None and traj.sample_logprobs is not None:
+        parts["_gap"] = logprob_gap(traj.sample_logprobs[rows], out.logprobs, mask)
     return loss, parts
 
 
@@ -158,7 +168,9 @@ def update_online_dpo(ctx: StepContext, prompts: PromptBatch, traj: Trajectories
     ctx.optimizer.zero_grad(set_to_none=True)
     per_rank = pairs / ctx.dist.world  # DDP/FSDP2 average gradients over ranks
     total, margins, micro = 0.0, [], cfg.micro_batch or max(len(chosen), 1)
-    starts = list(range(0, len(chosen), micro)) or [0]
+    # every rank runs as many chunks as the rank with the most pairs (FSDP2 collectives); past its own, idle ones
+    chunks = int(all_max(max(1, -(-len(chosen) // micro)), ctx.dist))
+    starts = [i * micro for i in range(chunks)]
     for i, start in enumerate(starts):
         c, r = chosen[start:start + micro], rejected[start:start + micro]
         idle = len(c) == 0  # no pair on this rank: one row, weight 0

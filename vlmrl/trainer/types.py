@@ -1,0 +1,66 @@
+"""The typed values that flow between the stages of an RL step: what a step needs (`StepContext`) and what stage III
+hands stage IV (`Trajectories`). Kept apart from the stages themselves so that `rl.py` (stages I-III) and
+`update.py` (stage IV) both import them and neither imports the other's internals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from vlmrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
+from vlmrl.models.policy import Policy
+from vlmrl.models.reference import Reference
+from vlmrl.rewards import RewardSpec
+from vlmrl.trainer.distributed import DistInfo, TrainingForward
+
+
+@dataclass
+class StepContext:
+    """What an RL step needs besides its prompts: the models, the optimizer and the recipe's sections."""
+
+    policy: Policy
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    rewards: list[RewardSpec]
+    rollout: RolloutConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    template: str = "{problem}"
+    max_prompt_length: int | None = None
+    reference: Reference | None = None  # the RL start, when algorithm.beta > 0 and for DPO (vlmrl.models.reference)
+    critic: object | None = None  # vlmrl.trainer.critic.Critic, for advantage "gae"
+    generator: torch.Generator | None = None
+    step: int = 0
+    prompt_offset: int = 0  # global position of this process's first prompt (data-parallel ranks shard the step)
+    dist: DistInfo = field(default_factory=DistInfo)
+    forward: torch.nn.Module | None = None  # the training forward, wrapped by DDP/FSDP2 when distributed
+    engine: object | None = None  # rollout.engine=vllm: vlmrl.rollout.vllm_engine.VLLMEngine (None: built-in sampler)
+
+    def __post_init__(self):
+        if self.forward is None:
+            self.forward = TrainingForward(self.policy)
+
+    @property
+    def batch_used_once(self) -> bool:
+        """One pass, one minibatch: the update's own forward (detached) gives the old log-probs, ratio exactly 1."""
+        return self.trainer.ppo_epochs * self.trainer.minibatches == 1
+
+
+class Trajectories(NamedTuple):
+    """Stage III output: everything the update needs, one row per trajectory (rows of a group contiguous)."""
+
+    prompt_index: Tensor  # [N]
+    completion_ids: Tensor  # [N, T]
+    loss_mask: Tensor  # [N, T] tokens that receive gradient (overlong filtering may drop truncated answers)
+    # [N, T] behaviour-policy log-probs; None when the batch is used once: the update's own forward then gives them
+    # (detached), so the first ratio is exactly 1 whatever the sampler's kernels or precision
+    old_logprobs: Tensor | None
+    ref_logprobs: Tensor | None  # [N, T] frozen reference
+    advantages: Tensor  # [N] or [N, T]
+    rewards: Tensor  # [N] the sequence rewards the advantages came from
+    old_values: Tensor | None = None  # [N, T] critic values at rollout time (gae)
+    returns: Tensor | None = None  # [N, T] value targets (gae)
+    sample_logprobs: Tensor | None = None  # [N, T] the sampler's log-probs: a diagnostic (rollout/logprob_gap_*)
