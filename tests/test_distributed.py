@@ -29,7 +29,16 @@ def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None, e
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / name / "checkpoint-2").state_dict()
+    return weights(tmp_path / name / "checkpoint-2")
+
+
+def weights(checkpoint) -> dict:
+    """A checkpoint's trained tensors: the whole model, or under LoRA its adapters."""
+    if (checkpoint / "adapter_model.safetensors").exists():
+        from safetensors.torch import load_file
+
+        return load_file(checkpoint / "adapter_model.safetensors")
+    return Qwen2VLForConditionalGeneration.from_pretrained(checkpoint).state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +73,38 @@ def test_online_dpo_under_ddp_matches_one_process(tmp_path):
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
     for k in one:
         assert torch.allclose(one[k], two[k], atol=2e-5), (k, (one[k] - two[k]).abs().max().item())
+
+
+def mixed_data(tmp_path) -> str:
+    """8 RL prompts, every second one text-only: the ranks' micro-batches differ in images and in length."""
+    import json
+
+    from vlmrl.data import make_task
+
+    rows = []
+    for i, s in enumerate(make_task("shapes_count", 8, "train", seed=3)):
+        if i % 2:
+            rows.append({"problem": f"What is {i} plus one? Answer with a number.", "solution": str(i + 1)})
+        else:
+            s["images"][0].save(tmp_path / f"img{i}.png")
+            rows.append({"image": f"img{i}.png", "problem": s["problem"], "solution": s["solution"]})
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_fsdp2_with_uneven_ranks_matches_one_process(tmp_path):
+    """FSDP2 gathers and reduces each unit in every forward and backward, so every rank must run the same sequence of
+    them: here a token budget gives the ranks different numbers of chunks (text-only prompts are shorter), one
+    rank's chunk may hold no image (the vision units still run), and online DPO gives the ranks different pair
+    counts, under LoRA, whose reference (the policy with its adapters disabled) runs inside the gathered
+    parameters. Each run finishes and ends where one process does."""
+    data = f"data.train={{path: {mixed_data(tmp_path)}}}"
+    for name, extra in (("budget", ("trainer.micro_batch_tokens=80",)),
+                        ("dpo", ("algorithm.policy_loss=dpo", "trainer.micro_batch=1", "model.lora.r=4"))):
+        one = run(tmp_path, f"{name}-single", "none", 1, extra=(data, *extra))
+        two = run(tmp_path, f"{name}-fsdp2", "fsdp2", 2, extra=(data, *extra))
+        start = weights(tmp_path / f"{name}-single" / "checkpoint-0")
+        assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
+        for k in one:
+            assert torch.allclose(one[k], two[k], atol=2e-5), (name, k, (one[k] - two[k]).abs().max().item())

@@ -50,6 +50,17 @@ def read_chat_template(path: str | Path) -> str | None:
     return None
 
 
+def added_bos_id(tokenizer) -> int | None:
+    """The BOS id `tokenizer` puts in front of the text it encodes with special tokens (`add_bos_token`, or a
+    post-processor template such as Llama's "<s> $A"), or None when it adds none (Qwen; tokenizers without a BOS)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    with_special = tokenizer("x")["input_ids"]
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    return bos if with_special[:1] == [bos] and plain[:1] != [bos] else None
+
+
 class VLProcessor:
     """Tokenizer + image processor of one family: samples in, a left-padded `PromptBatch` out."""
 
@@ -73,6 +84,7 @@ class VLProcessor:
             raise ValueError(f"the tokenizer has no {self.image_token!r} token, which the {self.family} family puts "
                              f"where image features go: is this the tokenizer of a {self.family} model?")
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.prompt_bos_id = added_bos_id(tokenizer)  # None: prompts get no BOS from vlmrl
         if config is None and type(self).options_from_config is not VLProcessor.options_from_config:
             raise ValueError(f"{type(self).__name__} needs the model config (config=...) for its placeholder counts")
         self.options = self.options_from_config(config) if config is not None else {}
@@ -130,6 +142,24 @@ class VLProcessor:
             out += ph + part
         return out
 
+    def tokenize(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        """Left-padded ids and attention mask of the expanded prompts, with the special tokens the family's own
+        transformers processor gets: the tokenizer's BOS in front when the tokenizer adds one (LLaVA's Llama
+        tokenizer: `<s>`) and the chat template did not already write it (Gemma 3's writes `<bos>`, as
+        `ProcessorMixin.apply_chat_template` checks); nothing else (no EOS at the end of a prompt)."""
+        bos = self.tokenizer.bos_token
+        rows = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        if self.prompt_bos_id is not None:
+            rows = [([] if t.startswith(bos) else [self.prompt_bos_id]) + r for t, r in zip(texts, rows, strict=True)]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding: generation appends to the right of every prompt
+            if r:
+                input_ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+                mask[i, width - len(r):] = 1
+        return input_ids, mask
+
     def __call__(self, problems: list[str], images: list[list], sample_ids: list[str],
                  max_prompt_length: int | None = None) -> PromptBatch:
         texts = [self.prompt_text(p, len(ims)) for p, ims in zip(problems, images, strict=True)]
@@ -139,8 +169,7 @@ class VLProcessor:
         for i, ims in enumerate(images):
             texts[i] = self.expand(texts[i], inputs.placeholders[start:start + len(ims)], sample_ids[i])
             start += len(ims)
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
-        input_ids, mask = enc["input_ids"], enc["attention_mask"]
+        input_ids, mask = self.tokenize(texts)
         if max_prompt_length is not None:
             for sid, n in zip(sample_ids, mask.sum(-1).tolist(), strict=True):
                 if n > max_prompt_length:
@@ -179,6 +208,9 @@ class VLFamily:
         self.vision_calls = 0  # images run through the vision tower (one pass per prompt image, issue 8)
         # forwards on CUDA run under bf16 autocast (model.autocast: false turns it off); CPU runs in the weights' dtype
         self.autocast_dtype: torch.dtype | None = torch.bfloat16
+        # FSDP2: a one-image batch that text-only forwards run through the vision tower with weight 0, so every rank
+        # gathers and reduces the vision units in every forward and backward (set by trainer.distributed.wrap)
+        self.dummy_vision: PromptBatch | None = None
 
     @property
     def inner(self):
@@ -209,6 +241,23 @@ class VLFamily:
         """Features [n_placeholder_tokens, H] of all images, in placeholder order, and per-prompt extras."""
         raise NotImplementedError
 
+    @property
+    def uniform_calls(self) -> bool:
+        """Every training forward runs the same modules in the same order whatever its rows (FSDP2's collectives
+        need it on every rank): text-only batches run the vision tower on `dummy_vision`, and the shared-prompt
+        forward always runs its prefill and its tail (vlmrl.models.forward.sequence_logprobs)."""
+        return self.dummy_vision is not None
+
+    def zero_vision_term(self) -> Tensor:
+        """0 x (the vision tower's output on `dummy_vision`): a text-only batch's forward still runs every vision
+        parameter (its gradient is 0), as FSDP2's per-unit collectives need on every rank."""
+        feats, extras = self.image_features(self.dummy_vision)
+        term = feats.float().sum() * 0.0
+        for value in extras.values():
+            if value.is_floating_point():
+                term = term + value.float().sum() * 0.0
+        return term
+
     def positions(self, batch: PromptBatch, ids: Tensor, mask: Tensor) -> Tensor:
         """[3, P, L] positions: the cumulative count of real tokens (left padding gets 0), the same in all rows."""
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -234,6 +283,8 @@ class VLFamily:
                     raise ValueError(f"prompts {batch.sample_ids[:3]}...: {int(place.sum())} image placeholder "
                                      f"tokens but {feats.shape[0]} image features")
                 embeds = embeds.masked_scatter(place.unsqueeze(-1), feats.to(embeds.device, embeds.dtype))
+            elif self.dummy_vision is not None and torch.is_grad_enabled():
+                embeds = embeds + self.zero_vision_term().to(embeds.dtype)
         position_ids = self.positions(batch, ids, mask)
         next_position = position_ids.amax(dim=(0, 2)) + 1
         return PromptEmbeds(embeds, mask, position_ids, next_position, extras)
