@@ -27,7 +27,7 @@ def make_processor(checkpoint: Path):
     """A transformers `ProcessorMixin` for the Qwen2-VL tokenizer + image processor, without the video slot.
 
     TRL treats a model as a VLM only when its processing class is a `ProcessorMixin`; transformers'
-    `Qwen2VLProcessor` cannot be built without torchvision (its video processor, DESIGN.md), so this subclass keeps
+    `Qwen2VLProcessor` cannot be built without torchvision (its video processor), so this subclass keeps
     Qwen2VLProcessor's image behaviour (placeholder expansion, mm_token_type_ids) and drops the video slot.
     """
     from transformers import AutoTokenizer, Qwen2VLImageProcessorPil, Qwen2VLProcessor

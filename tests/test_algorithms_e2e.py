@@ -60,7 +60,7 @@ def _context(policy, cfg, **algo):
                                                   ("token-mean", {"micro_batch_tokens": 3}),
                                                   ("seq-mean-token-sum-norm", {"micro_batch_tokens": 3})])
 def test_micro_batching_does_not_change_the_update(tiny_model_dir, count_samples, aggregation, chunking):
-    """DESIGN invariant 5: micro-batches (of one row, or by token budget, longest rows first and each chunk's
+    """Invariant 5 (docs/concepts.md): micro-batches (of one row, or by token budget, longest rows first and each chunk's
     completions trimmed to its longest) and the whole batch give the same parameters after one step."""
     cfg = load_config(None, ["rollout.group_size=4", "rollout.max_new_tokens=6"])
     a, b = load_policy(tiny_model_dir), load_policy(tiny_model_dir)

@@ -18,7 +18,7 @@ from vlmrl.models.tiny_families import TINY_FAMILIES, build_tiny_family
 from vlmrl.rollout.batch import make_prompts
 from vlmrl.rollout.generate import generate
 
-# transformers' own processor constructs here (no torchvision) for these; Qwen's need torchvision (DESIGN.md)
+# transformers' own processor constructs here (no torchvision) for these; Qwen's need torchvision (docs/models.md)
 HF_PROCESSORS = {"idefics3": "Idefics3Processor", "llava": "LlavaProcessor", "llava_next": "LlavaNextProcessor",
                  "gemma3": "Gemma3Processor"}
 GEMMA3_TOKENS = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
@@ -61,7 +61,7 @@ def hf_inputs(family: str, batch) -> dict:
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_generation_logprobs_match_training_forward(family, family_dirs, mixed_samples):
-    """DESIGN invariant 3 for every family: batch > 1, left padding, one image, two images and no image."""
+    """Invariant 3 (docs/concepts.md) for every family: batch > 1, left padding, one image, two images and no image."""
     policy = load_policy(family_dirs[family])
     prompts = make_prompts(policy, mixed_samples)
     assert (prompts.attention_mask == 0).any(), "the batch should need left padding"

@@ -1,4 +1,4 @@
-"""Group bookkeeping and micro-batch invariance across model families (DESIGN invariants 1 and 5).
+"""Group bookkeeping and micro-batch invariance across model families (invariants 1 and 5 in docs/concepts.md).
 
 Prompt i <-> its G answers <-> its solution <-> its images stay aligned for any batch size, group size, shuffle,
 micro-batch size and group filtering; splitting a rollout batch into micro-batches changes memory, not gradients.

@@ -12,7 +12,7 @@ from vlmrl.rollout.generate import generate, sample_tokens
 
 
 def test_generation_logprobs_match_training_forward(policy, count_samples):
-    """DESIGN invariant 3: same weights, same log-probs, batch > 1 with left padding and mixed image sizes."""
+    """Invariant 3 (docs/concepts.md): same weights, same log-probs, batch > 1 with left padding and mixed image sizes."""
     samples = count_samples[:6] + make_task("digits_sum", 2, "train", seed=0)  # 56/84 px scenes and wide digit strips
     prompts = make_prompts(policy, samples)
     assert (prompts.attention_mask == 0).any(), "the batch should need left padding"
@@ -69,7 +69,7 @@ def test_top_k_one_is_greedy():
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(n_prompts=st.integers(2, 5), group=st.integers(1, 4), seed=st.integers(0, 1000))
 def test_groups_stay_aligned_under_shuffle(tiny_model_dir, count_samples, n_prompts, group, seed):
-    """DESIGN invariant 1: row n's prompt, image, solution and answer all belong to sample prompt_index[n].
+    """Invariant 1 (docs/concepts.md): row n's prompt, image, solution and answer all belong to sample prompt_index[n].
 
     Each row's batched log-probs are recomputed with its own sample alone (batch of one): a row paired with the
     wrong prompt or image would give different numbers."""

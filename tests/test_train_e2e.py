@@ -51,7 +51,7 @@ def test_runs_are_never_overwritten(tmp_path):
 
 
 def test_same_seed_same_numbers_and_exact_resume(tmp_path):
-    """DESIGN invariant 6: a run is reproducible, and resuming from a checkpoint continues it exactly."""
+    """Invariant 6 (docs/concepts.md): a run is reproducible, and resuming from a checkpoint continues it exactly."""
     straight = train(small_config(tmp_path / "a", "trainer.steps=4"))
     again = train(small_config(tmp_path / "b", "trainer.steps=4"))
     half = train(small_config(tmp_path / "c", "trainer.steps=4", "trainer.save_every=2"))

@@ -158,7 +158,7 @@ def gae_advantages(rewards: Tensor, mask: Tensor, values: Tensor, kl: Tensor | N
 
 
 def zero_variance_fraction(rewards: Tensor, group_size: int, tol: float = 1e-8) -> float:
-    """Share of groups whose rewards are all equal: they carry no group-relative signal (DESIGN.md invariant 4)."""
+    """Share of groups whose rewards are all equal: they carry no group-relative signal (invariant 4 in docs/concepts.md)."""
     groups = rewards.view(-1, group_size)
     return ((groups.max(1).values - groups.min(1).values) <= tol).float().mean().item()
 

@@ -129,7 +129,7 @@ def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token-mean", max_tok
 
     For a micro-batch of a larger rollout batch, pass the whole batch's `batch_tokens` / `batch_sequences`: the
     micro-batch then returns its share, and the shares sum to the loss of the whole batch, so micro-batching never
-    changes the gradient (DESIGN.md invariant 5). Fully masked rows contribute 0 and never NaN.
+    changes the gradient (invariant 5 in docs/concepts.md). Fully masked rows contribute 0 and never NaN.
     """
     mask = mask.to(per_token.dtype)
     n = per_token.shape[0] if batch_sequences is None else batch_sequences

@@ -33,7 +33,7 @@ CHAT_TEMPLATE = (
 class QwenVLProcessor(VLProcessor):
     """Image-only processor for the Qwen-VL families (tokenizer + `Qwen2VLImageProcessorPil`).
 
-    transformers' `Qwen2VLProcessor` needs torchvision for its video slot (DESIGN.md); prompts here are images and
+    transformers' `Qwen2VLProcessor` needs torchvision for its video slot (docs/models.md); prompts here are images and
     text, so this class does the same placeholder expansion without it, and works for the real Qwen tokenizers too.
     """
 
