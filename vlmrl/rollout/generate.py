@@ -71,6 +71,7 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     if temperature <= 0:
         tokens = logits.argmax(-1)
         return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+    # [rows, vocab] temporaries are few and updated in place: with a real vocabulary each is ~0.6 MB per row
     logp = torch.log_softmax(logits / temperature, -1)
     filtered = logp
     if top_k > 0:
@@ -83,8 +84,8 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
     if uniform is not None:  # Gumbel-max with the caller's noise: argmax(log p + g) is a sample of p
-        gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
-        tokens = (filtered + gumbel).argmax(-1)
+        gumbel = uniform.clamp(1e-20, 1.0 - 1e-7).log_().neg_().log_().neg_()  # -log(-log u), one buffer
+        tokens = gumbel.add_(filtered).argmax(-1)
     else:
         tokens = torch.multinomial(filtered.exp(), 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
@@ -115,15 +116,16 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int, max_new_toke
     mask = pe.attention_mask
     tokens, logps, alive_steps = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)
-    streams = None
+    streams, uniform = None, None
     if prompt_seeds is not None and temperature > 0:
         streams = [torch.Generator(device=device).manual_seed(int(s)) for s in prompt_seeds]
     for t in range(max_new_tokens):
         logits = family.lm_head(hidden)
-        uniform = None
-        if streams is not None:
-            uniform = torch.cat([torch.rand(group_size, logits.shape[-1], generator=g, device=device)
-                                 for g in streams])
+        if streams is not None:  # (one buffer for the whole loop: refilled each token)
+            uniform = torch.empty(n, logits.shape[-1], device=device) if uniform is None else uniform
+            for i, g in enumerate(streams):  # each prompt's answers from its own stream, written in place
+                torch.rand(group_size, logits.shape[-1], generator=g, device=device,
+                           out=uniform[i * group_size:(i + 1) * group_size])
         tok, logp = sample_tokens(logits, temperature, top_k, top_p, generator, uniform)
         tok = torch.where(alive, tok, policy.pad_token_id)
         tokens.append(tok)
