@@ -170,3 +170,12 @@ def test_separate_critic_keeps_the_autocast_setting(tiny_model_dir):
     assert critic.trunk.family.autocast_dtype is None
     assert critic.trunk.model is not policy.model
     assert critic.trunk.family.model is critic.trunk.model
+
+
+def test_allocator_setting_is_opt_in(monkeypatch):
+    from vlmrl.allocator import keep_freed_memory
+
+    monkeypatch.delenv("VLMRL_MALLOC_REUSE", raising=False)
+    assert keep_freed_memory() is False  # off by default: it trades memory for speed
+    monkeypatch.setenv("VLMRL_MALLOC_REUSE", "1")
+    assert keep_freed_memory() is True  # glibc on Linux: the thresholds were raised

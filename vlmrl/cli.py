@@ -253,6 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     from vlmrl.config import ConfigError
 
     args = build_parser().parse_args(argv)
+    from vlmrl.allocator import keep_freed_memory
+
+    keep_freed_memory()  # VLMRL_MALLOC_REUSE=1: faster CPU steps for more memory (vlmrl/allocator.py)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our bars only; the model folder writes are not worth one
