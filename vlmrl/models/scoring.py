@@ -48,11 +48,11 @@ def micro_batches(rows: Tensor, lengths: tuple[Tensor, Tensor] | None, max_rows:
 
 @torch.no_grad()
 def score_batch(policy, prompts: PromptBatch, prompt_index: Tensor, completion_ids: Tensor, completion_mask: Tensor,
-                temperature: float, micro_batch: int = 0, micro_batch_tokens: int = 0, with_hidden: bool = False,
-                hidden_fn=None) -> CompletionOutput:
+                temperature: float, micro_batch: int = 0, micro_batch_tokens: int = 0, hidden_fn=None
+                ) -> CompletionOutput:
     """Log-probs [N, T] of every row under `policy` (a Policy: its `family` runs the forward), computed in the
     update's chunks of rows and stitched back in row order. With `hidden_fn`, `hidden` holds `hidden_fn(hidden,
-    mask)` per row (e.g. a critic's values [N, T]) instead of the [N, T, H] hidden states."""
+    mask)` per row (e.g. a critic's values [N, T]); the [N, T, H] hidden states themselves are never kept."""
     n = completion_ids.shape[0]
     lengths = row_lengths(prompts, prompt_index, completion_mask) if micro_batch_tokens else None
     chunks = micro_batches(torch.arange(n), lengths, micro_batch, micro_batch_tokens)
@@ -62,10 +62,10 @@ def score_batch(policy, prompts: PromptBatch, prompt_index: Tensor, completion_i
         if not len(rows):
             continue
         out = sequence_logprobs(policy, prompts, prompt_index[rows], completion_ids[rows], completion_mask[rows],
-                                temperature, with_hidden=with_hidden or hidden_fn is not None)
+                                temperature, with_hidden=hidden_fn is not None)
         logprobs[rows] = out.logprobs
-        if out.hidden is not None:
-            value = hidden_fn(out.hidden, completion_mask[rows]) if hidden_fn is not None else out.hidden
+        if hidden_fn is not None:
+            value = hidden_fn(out.hidden, completion_mask[rows])
             if extra is None:
                 extra = value.new_zeros((n, *value.shape[1:]))
             extra[rows] = value

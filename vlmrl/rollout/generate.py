@@ -27,7 +27,6 @@ class Rollout:
     logprobs: Tensor  # [N, T] sampling-time log-probs (0 on padding)
     truncated: Tensor  # [N] bool: hit max_new_tokens without an end token
     texts: list[str]  # decoded completions, end token stripped
-    engine: str = "hf"  # which sampler made it (logs only: old log-probs never depend on it)
 
     @property
     def lengths(self) -> Tensor:
@@ -38,7 +37,7 @@ class Rollout:
         keep = rows.tolist()
         return Rollout(self.prompt_index[rows] if prompt_index is None else prompt_index, self.completion_ids[rows],
                        self.completion_mask[rows], self.logprobs[rows], self.truncated[rows],
-                       [self.texts[i] for i in keep], self.engine)
+                       [self.texts[i] for i in keep])
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -56,8 +55,7 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
                    torch.cat([right_pad(r.completion_ids, pad_token_id) for r in rollouts]),
                    torch.cat([right_pad(r.completion_mask, 0) for r in rollouts]),
                    torch.cat([right_pad(r.logprobs, 0.0) for r in rollouts]),
-                   torch.cat([r.truncated for r in rollouts]), [t for r in rollouts for t in r.texts],
-                   rollouts[0].engine)
+                   torch.cat([r.truncated for r in rollouts]), [t for r in rollouts for t in r.texts])
 
 
 def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,

@@ -230,7 +230,7 @@ class VLLMEngine:
     def generate(self, policy: Policy, prompts: PromptBatch, samples: list[dict], group_size: int,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float,
                  prompt_seeds: list[int]) -> Rollout:
-        """G answers per prompt; the same `Rollout` as the built-in sampler (engine="vllm")."""
+        """G answers per prompt; the same `Rollout` as the built-in sampler."""
         from vllm import SamplingParams
 
         self.wake()
@@ -278,4 +278,4 @@ def to_rollout(policy: Policy, outputs, group_size: int, max_new_tokens: int) ->
     clean = ids.masked_fill(torch.isin(ids, torch.tensor(sorted(eos))), policy.pad_token_id)
     texts = policy.processor.tokenizer.batch_decode(clean, skip_special_tokens=True)
     index = torch.arange(len(outputs)).repeat_interleave(group_size)
-    return Rollout(index, ids, mask, logps, truncated, texts, engine="vllm")
+    return Rollout(index, ids, mask, logps, truncated, texts)
