@@ -15,9 +15,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
-
-class ConfigError(ValueError):
-    """A recipe key or value that is not allowed; raised before any model or data is built."""
+from vlmrl.errors import ConfigError  # noqa: F401  (re-exported: vlmrl.config.ConfigError)
 
 
 @dataclass

@@ -24,6 +24,8 @@ from typing import Any
 
 from PIL import Image
 
+from vlmrl.errors import DataError  # noqa: F401  (re-exported: vlmrl.data.DataError)
+
 Sample = dict[str, Any]
 """One dataset row; see the module docstring for the required keys."""
 
@@ -32,10 +34,6 @@ REQUIRED_KEYS: tuple[str, ...] = ("id", "images", "problem", "solution", "answer
 SPLITS: tuple[str, ...] = ("train", "test", "ood")
 
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
-
-
-class DataError(ValueError):
-    """Bad input data or a bad data spec. The message says where (file, line) and what to do."""
 
 
 @dataclass

@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from vlmrl.errors import DataError
 
-class PromptTooLongError(ValueError):
+
+class PromptTooLongError(DataError):
     """A prompt (image placeholders included) is longer than `data.max_prompt_length`. Prompts are never truncated:
     a cut inside an image placeholder span would misalign image features and tokens."""
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from vlmrl.errors import TrainingError
+
 if TYPE_CHECKING:  # torch is imported where a tensor is built, so reward worker processes start fast
     import torch
 
@@ -49,7 +51,7 @@ REWARDS: dict[str, RewardFn] = {}
 DEFAULT_TIMEOUT = 60.0  # seconds per isolated reward call (one batch), when RewardSpec.timeout is not set
 
 
-class FatalRewardError(RuntimeError):
+class FatalRewardError(TrainingError):
     """A reward error that must stop training instead of becoming a counted failure (e.g. the judge's API key is
     refused: every later call would fail the same way)."""
 
