@@ -44,7 +44,7 @@ def test_bad_value_names_allowed_values():
     with pytest.raises(ConfigError) as e:
         load_config(None, ["algorithm.loss_aggregation=mean"])
     assert "'token-mean'" in str(e.value) and "seq-mean-token-sum-norm" in str(e.value)
-    with pytest.raises(ConfigError, match="trainer.steps: expected an integer"):
+    with pytest.raises(ConfigError, match="trainer.steps: 'ten' is not allowed; expected an integer >= 0"):
         load_config(None, ["trainer.steps=ten"])
     with pytest.raises(ConfigError, match="expected true or false"):
         load_config(None, ["trainer.tensorboard=3"])

@@ -47,8 +47,10 @@ def pool():
 
 
 def context(policy, group_size: int, micro_batch: int = 0, **algo) -> StepContext:
+    # reinforce_pp: one answer per prompt is a valid recipe only without a group baseline (config RULES)
     cfg = load_config(None, [f"rollout.group_size={group_size}", "rollout.max_new_tokens=4",
-                             f"trainer.micro_batch={micro_batch}"])
+                             f"trainer.micro_batch={micro_batch}"] + (["algorithm.advantage=reinforce_pp"]
+                                                                      if group_size == 1 else []))
     for k, v in algo.items():
         setattr(cfg.algorithm, k, v)
     opt = torch.optim.SGD(policy.model.parameters(), lr=0.5)
