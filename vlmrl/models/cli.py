@@ -19,7 +19,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `export` command to the `vlmrl` command line."""
     p = subparsers.add_parser("export", help="write a checkpoint as a plain model folder (--merge: fold in LoRA)",
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="RUN_DIR/checkpoint-N (full or LoRA adapters)")
+    p.add_argument("checkpoint", help="a run directory (its latest complete checkpoint) or RUN_DIR/checkpoint-N "
+                                      "(full or LoRA adapters)")
     p.add_argument("out", help="output folder")
     p.add_argument("--merge", action="store_true", help="merge LoRA adapters into the base weights (required for a "
                                                         "LoRA checkpoint)")
@@ -29,12 +30,15 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def cmd_export(args) -> int:
+    from vlmrl.errors import ConfigError
     from vlmrl.models.policy import adapter_base
     from vlmrl.models.trainable import merge_checkpoint
+    from vlmrl.preflight import resolve_model
 
-    base = adapter_base(args.checkpoint)
+    checkpoint = resolve_model(args.checkpoint, "vlmrl export")  # a run directory -> its latest complete checkpoint
+    base = adapter_base(checkpoint)
     if base is not None and not args.merge:
-        raise ValueError(f"{args.checkpoint} holds LoRA adapters on {base}; add --merge to fold them in")
-    out = merge_checkpoint(args.checkpoint, args.out, args.dtype)
+        raise ConfigError(f"{checkpoint} holds LoRA adapters on {base}; add --merge to fold them in")
+    out = merge_checkpoint(checkpoint, args.out, args.dtype)
     print(f"wrote {out}" + (f" (adapters merged into {base})" if base is not None else ""))
     return 0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from vlmrl.errors import PathError
 from vlmrl.models.families import FAMILIES, VLFamily, VLProcessor
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,7 +71,7 @@ def adapter_base(path: str | Path) -> str | None:
         return None
     base = json.loads(cfg_file.read_text()).get("base_model_name_or_path")
     if not base:
-        raise ValueError(f"{cfg_file}: no base_model_name_or_path; cannot tell which weights the adapters belong to")
+        raise PathError(f"{cfg_file}: no base_model_name_or_path; cannot tell which weights the adapters belong to")
     local = Path(path) / base
     return str(local.resolve()) if local.is_dir() else base
 
@@ -97,7 +98,7 @@ def load_policy(name_or_path: str | Path, dtype: str = "float32", device: str = 
     weights = base or name_or_path
     config = AutoConfig.from_pretrained(weights)
     if config.model_type not in FAMILIES:
-        raise ValueError(f"model {weights!r} has model_type {config.model_type!r}; supported families: "
+        raise PathError(f"model {weights!r} has model_type {config.model_type!r}; supported families: "
                          f"{sorted(FAMILIES)} (docs/models.md: adding a family)")
     processor_cls, family_cls = FAMILIES[config.model_type]
     model = AutoModelForImageTextToText.from_pretrained(weights, dtype=DTYPES[dtype]).to(device)

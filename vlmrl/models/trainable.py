@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from vlmrl.config import LoraConfig, ModelConfig
+from vlmrl.errors import ConfigError
 from vlmrl.models.families.base import unwrap_peft
 from vlmrl.models.policy import Policy, load_policy
 
@@ -83,7 +84,7 @@ def lora_targets(policy: Policy, cfg: LoraConfig) -> list[str]:
     names = [n for n in candidates if cfg.target_modules is None or n.rsplit(".", 1)[-1] in cfg.target_modules]
     if not names:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in candidates})
-        raise ValueError(f"model.lora.target_modules={cfg.target_modules}: no linear layer of this "
+        raise ConfigError(f"model.lora.target_modules={cfg.target_modules}: no linear layer of this "
                          f"{type(fam.model).__name__} matches; the adaptable layers are named {leaves}")
     return names
 

@@ -10,23 +10,18 @@ student is deployed. See docs/reclip.md.
     student.encode_text(["a red circle to the left of a blue square"]), student.encode_image([pil_image])
 """
 
-from vlmrl.reclip.feedback import Feedback, Reason, compress, feedback_reward, format_feedback, parse_feedback
-from vlmrl.reclip.judge import ExactJudge, Judge, LLMJudge, SceneGraphJudge, View, build_judge
-from vlmrl.reclip.students import TwoTower, load_student
+import importlib
 
-__all__ = [
-    "ExactJudge",
-    "Feedback",
-    "Judge",
-    "LLMJudge",
-    "Reason",
-    "SceneGraphJudge",
-    "TwoTower",
-    "View",
-    "build_judge",
-    "compress",
-    "feedback_reward",
-    "format_feedback",
-    "load_student",
-    "parse_feedback",
-]
+_EXPORTS = {
+    **dict.fromkeys(["Feedback", "Reason", "compress", "feedback_reward", "format_feedback", "parse_feedback"],
+                    "vlmrl.reclip.feedback"),
+    **dict.fromkeys(["ExactJudge", "Judge", "LLMJudge", "SceneGraphJudge", "View", "build_judge"], "vlmrl.reclip.judge"),
+    **dict.fromkeys(["TwoTower", "load_student"], "vlmrl.reclip.students"),
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):  # PEP 562: loaded on first use, so `vlmrl` commands refused up front never import torch
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'vlmrl.reclip' has no attribute {name!r}")

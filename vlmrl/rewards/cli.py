@@ -8,6 +8,8 @@ import json
 import sys
 from typing import Any
 
+from vlmrl.errors import ConfigError
+
 HELP = """Score one answer with the rewards of a recipe (and its judge), and show every component.
 
 Examples:
@@ -52,7 +54,7 @@ def _columns(args: argparse.Namespace) -> dict[str, list]:
     for item in args.column:
         key, sep, raw = item.partition("=")
         if not sep:
-            raise ValueError(f"--column {item!r}: expected KEY=VALUE")
+            raise ConfigError(f"--column {item!r}: expected KEY=VALUE")
         columns[key.strip()] = yaml.safe_load(raw)
     return {k: [v] for k, v in columns.items()}
 

@@ -15,6 +15,7 @@ import statistics
 from pathlib import Path
 
 from vlmrl.config import Config
+from vlmrl.errors import ConfigError
 from vlmrl.trainer.control import train_with_baselines
 from vlmrl.trainer.run import Progress, fresh_run_dir
 
@@ -64,7 +65,7 @@ def run_seeds(cfg: Config, seeds: int, control: str | None = None, progress: Pro
     Returns {"root", "seeds", "runs", "metrics"} and writes it to RUN_ROOT/seeds.json (rewritten after each seed,
     so an interrupted sweep keeps what finished). `on_seed_done(result)` is called after each seed."""
     if seeds < 1:
-        raise ValueError(f"--seeds {seeds}: need at least one seed")
+        raise ConfigError(f"--seeds {seeds}: need at least one seed")
     root = fresh_run_dir(cfg.trainer.output_dir)
     base = cfg.trainer.seed
     results, out = [], {}

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from vlmrl.errors import ConfigError, DataError, PathError
 from vlmrl.models.batch import PromptBatch, PromptEmbeds, PromptTooLongError
 
 PROCESSOR_FILE = "vlmrl_processor.json"
@@ -81,7 +82,7 @@ class VLProcessor:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.chat_template = chat_template or getattr(tokenizer, "chat_template", None) or self.builtin_template
         if self.image_token not in tokenizer.get_vocab():
-            raise ValueError(f"the tokenizer has no {self.image_token!r} token, which the {self.family} family puts "
+            raise PathError(f"the tokenizer has no {self.image_token!r} token, which the {self.family} family puts "
                              f"where image features go: is this the tokenizer of a {self.family} model?")
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         self.prompt_bos_id = added_bos_id(tokenizer)  # None: prompts get no BOS from vlmrl
@@ -114,7 +115,7 @@ class VLProcessor:
     def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
         """Apply model.min_pixels / model.max_pixels; the same processor feeds generation and training."""
         if min_pixels or max_pixels:
-            raise ValueError(f"model.min_pixels/model.max_pixels: the {self.family} family resizes images to a fixed "
+            raise ConfigError(f"model.min_pixels/model.max_pixels: the {self.family} family resizes images to a fixed "
                              f"size and has no pixel budget; remove these keys")
 
     # -- the text side ---------------------------------------------------------------------------------------------
@@ -134,7 +135,7 @@ class VLProcessor:
         """Replace the i-th image marker of `text` with `placeholders[i]`."""
         parts = text.split(self.image_marker)
         if len(parts) != len(placeholders) + 1:
-            raise ValueError(f"sample {sample_id!r}: the prompt holds {len(parts) - 1} image markers "
+            raise DataError(f"sample {sample_id!r}: the prompt holds {len(parts) - 1} image markers "
                              f"'{self.image_marker}' for {len(placeholders)} images; does the problem text contain "
                              f"'{self.image_marker}'? Remove it (images are placed by the chat template)")
         out = parts[0]
@@ -160,6 +161,26 @@ class VLProcessor:
                 mask[i, width - len(r):] = 1
         return input_ids, mask
 
+    def prompt_lengths(self, problems: list[str], images: list[list], sample_ids: list[str]) -> list[int]:
+        """The token count of each prompt `__call__` would build (images included), without image tensors: a
+        family's placeholders depend only on each image's size, so one blank image per distinct size is processed."""
+        from PIL import Image
+
+        from vlmrl.data.images import image_sizes
+
+        sizes = [image_sizes(ims) for ims in images]
+        distinct = sorted({size for row in sizes for size in row})
+        placeholders = {}
+        if distinct:
+            inputs = self.process_images([Image.new("RGB", size) for size in distinct])
+            placeholders = dict(zip(distinct, inputs.placeholders, strict=True))
+        texts = [self.expand(self.prompt_text(p, len(row)), [placeholders[size] for size in row], sid)
+                 for p, row, sid in zip(problems, sizes, sample_ids, strict=True)]
+        rows = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        bos = self.tokenizer.bos_token
+        return [len(r) + (self.prompt_bos_id is not None and not t.startswith(bos)) for t, r in zip(texts, rows,
+                                                                                                  strict=True)]
+
     def __call__(self, problems: list[str], images: list[list], sample_ids: list[str],
                  max_prompt_length: int | None = None) -> PromptBatch:
         texts = [self.prompt_text(p, len(ims)) for p, ims in zip(problems, images, strict=True)]
@@ -184,7 +205,7 @@ class VLProcessor:
             expected = sum(inputs.tokens[start:start + len(ims)])
             start += len(ims)
             if int(mm[i].sum()) != expected:
-                raise ValueError(f"sample {sample_ids[i]!r}: {int(mm[i].sum())} image placeholder tokens "
+                raise DataError(f"sample {sample_ids[i]!r}: {int(mm[i].sum())} image placeholder tokens "
                                  f"'{self.image_token}' but its images give {expected} features: does the problem "
                                  f"text contain '{self.image_token}'?")
         return PromptBatch(list(sample_ids), input_ids, mask, mm, inputs.vision, inputs.vision_rows,
@@ -280,7 +301,7 @@ class VLFamily:
                 feats, extras = self.image_features(batch)
                 self.vision_calls += sum(batch.images_per_prompt)
                 if int(place.sum()) != feats.shape[0]:
-                    raise ValueError(f"prompts {batch.sample_ids[:3]}...: {int(place.sum())} image placeholder "
+                    raise DataError(f"prompts {batch.sample_ids[:3]}...: {int(place.sum())} image placeholder "
                                      f"tokens but {feats.shape[0]} image features")
                 embeds = embeds.masked_scatter(place.unsqueeze(-1), feats.to(embeds.device, embeds.dtype))
             elif self.dummy_vision is not None and torch.is_grad_enabled():

@@ -14,6 +14,7 @@ import math
 import torch
 from torch import Tensor
 
+from vlmrl.errors import ConfigError
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.families.base import ImageInputs, VLFamily, VLProcessor
 
@@ -56,7 +57,7 @@ class Idefics3Processor(VLProcessor):
 
     def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
         if min_pixels:
-            raise ValueError(f"model.min_pixels: the {self.family} family has no minimum (images are resized to "
+            raise ConfigError(f"model.min_pixels: the {self.family} family has no minimum (images are resized to "
                              f"whole tiles); remove the key")
         if max_pixels:
             tile = self.image_processor.max_image_size["longest_edge"]
