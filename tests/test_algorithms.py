@@ -1,6 +1,7 @@
 """Advantage estimators, policy losses, KL estimators and loss aggregation, on numbers worked by hand."""
 
 import math
+import threading
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ from vlmrl.algorithms.advantages import (
     discounted_returns,
     gae_advantages,
     grpo_advantages,
+    nonzero_variance_groups,
     reinforce_pp_advantages,
     remax_advantages,
     rloo_advantages,
@@ -91,6 +93,90 @@ def test_gae_by_hand():
     assert close(out.advantages, [[0.4, 0.2]]) and close(out.returns, [[0.9, 1.0]])
 
 
+# -- failed rewards (scored = False): advantage 0, out of every statistic ---------------------------------------------
+def test_a_failed_reward_in_an_all_equal_group_is_no_signal():
+    # group [1, 1, failed, 1]: the failed row's total is a partial 0.0, which must not count as a low reward
+    rewards, scored = T([1.0, 1.0, 0.0, 1.0]), T([True, True, False, True])
+    for estimator in (grpo_advantages, rloo_advantages):
+        assert torch.equal(estimator(rewards, 4, scored=scored).advantages, torch.zeros(4))
+        assert estimator(rewards, 4).advantages[2] < 0  # (what a failure scored as 0 would do)
+    assert not nonzero_variance_groups(rewards, 4, scored=scored).any()  # dynamic sampling: no signal here
+    assert zero_variance_fraction(rewards, 4, scored=scored) == 1.0
+    assert dpo_pairs(rewards, 4, scored)[0].numel() == 0  # and no DPO pair
+
+
+def test_group_statistics_over_the_scored_answers_by_hand():
+    # group [1, 0, failed, 0]: over the 3 scored answers mean 1/3, unbiased std sqrt((4/9 + 2/9) / 2) = 0.57735
+    rewards, scored = T([1.0, 0.0, 9.0, 0.0]), T([True, True, False, True])
+    adv = grpo_advantages(rewards, 4, scored=scored, eps=0.0).advantages
+    assert close(adv, [(2 / 3) / 0.57735, (-1 / 3) / 0.57735, 0.0, (-1 / 3) / 0.57735])
+    # RLOO over k = 3: A = k / (k - 1) * (r - mean) = 1.5 * [2/3, -1/3, -1/3]
+    assert close(rloo_advantages(rewards, 4, scored=scored).advantages, [1.0, -0.5, 0.0, -0.5])
+    # one scored answer left: no group to compare with, advantage 0
+    assert torch.equal(grpo_advantages(T([1.0, 5.0]), 2, scored=T([True, False])).advantages, torch.zeros(2))
+    assert close(remax_advantages(T([1.0, 0.0]), baseline_rewards=T([0.0, 1.0]), scored=T([True, False])).advantages,
+                 [1.0, 0.0])
+    # REINFORCE++: the failed row is out of the whitening and gets 0 on every token
+    mask = T([[1, 1], [1, 0], [1, 1]])
+    adv = reinforce_pp_advantages(T([1.0, 0.0, 7.0]), 1, mask, scored=T([True, True, False])).advantages
+    assert close(adv, [[0.7071, 0.7071], [-1.4142, 0.0], [0.0, 0.0]])
+    gae = gae_advantages(T([1.0, 0.0, 7.0]), mask, values=torch.zeros(3, 2), scored=T([True, True, False]))
+    assert torch.equal(gae.advantages[2], torch.zeros(2))
+    chosen, rejected = dpo_pairs(T([1.0, 0.0, 9.0, 0.5]), 4, T([True, True, False, True]))
+    assert chosen.tolist() == [0] and rejected.tolist() == [1]  # the failed 9.0 is never "best"
+
+
+# -- batch statistics over data-parallel ranks -----------------------------------------------------------------------
+class ThreadRanks:
+    """`world` threads that play data-parallel ranks: `reduce(rank)` sums a tensor over all of them (an
+    all-reduce), so a batch split across the threads can be checked against the whole batch in one call."""
+
+    def __init__(self, world: int):
+        self.slots, self.barrier = [None] * world, threading.Barrier(world, timeout=10)
+
+    def reduce(self, rank: int):
+        def all_sum(t):
+            self.slots[rank] = t.clone()
+            self.barrier.wait()
+            total = sum(self.slots[1:], self.slots[0])  # the same order on every rank
+            self.barrier.wait()
+            return total
+        return all_sum
+
+    def run(self, fns):
+        out = [None] * len(fns)
+        threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, fns[i](self.reduce(i))))
+                   for i in range(len(fns))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return out
+
+
+def test_batch_statistics_are_the_global_batchs_under_data_parallel():
+    """advantage_scale: batch, REINFORCE++'s and GAE's whitening: each rank's half of the batch, reduced over the
+    ranks, gives the advantages of the whole batch in one process."""
+    torch.manual_seed(0)
+    rewards, mask = torch.rand(8), (torch.rand(8, 5) > 0.3).long()
+    mask[:, 0] = 1
+    values = torch.rand(8, 5)
+    cases = {
+        "grpo batch": lambda r, m, v, red: grpo_advantages(r, 2, scale="batch", reduce=red).advantages,
+        "reinforce_pp": lambda r, m, v, red: reinforce_pp_advantages(r, 2, m, reduce=red).advantages,
+        "reinforce_pp group": lambda r, m, v, red: reinforce_pp_advantages(r, 2, m, baseline="group",
+                                                                           reduce=red).advantages,
+        "gae": lambda r, m, v, red: gae_advantages(r, m, v, reduce=red).advantages,
+    }
+    for name, fn in cases.items():
+        whole = fn(rewards, mask, values, None)
+        halves = ThreadRanks(2).run([lambda red, s=s, fn=fn: fn(rewards[s], mask[s], values[s], red)
+                                     for s in (slice(0, 4), slice(4, 8))])
+        assert torch.allclose(torch.cat(halves), whole, atol=1e-6), name
+        alone = fn(rewards[:4], mask[:4], values[:4], None)  # (what a rank on its own computes: different)
+        assert not torch.allclose(alone, whole[:4], atol=1e-3), name
+
+
 # -- policy losses ---------------------------------------------------------------------------------------------------
 def test_ppo_clip_four_quadrants_by_hand():
     #  A>0, r=1.5: min(1.5, 1.2) -> -1.2 (clipped) | A>0, r=0.5: min(0.5, 0.8) -> -0.5
@@ -107,6 +193,20 @@ def test_ppo_ratios_far_outside_the_clip_range():
     assert close(out.per_token_loss, [[-1.2, -1e-4, 50.0, 0.8]])
     dual = ppo_clip_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(logp), dual_clip=3.0)
     assert close(dual.per_token_loss, [[-1.2, -1e-4, 3.0, 0.8]])  # A<0 with ratio 50: bounded by c * |A| = 3
+
+
+def test_wild_log_ratios_are_clamped_before_exp():
+    """A log-ratio of +-1000 (a policy that moved very far, or garbage old log-probs) would give exp() = inf and a
+    NaN loss; clamped to +-20 (verl, OpenRLHF), the loss and its gradient stay finite."""
+    logp = T([[1000.0, -1000.0, 30.0], [1000.0, 1000.0, 1000.0]]).requires_grad_()  # (row 2: GSPO's sequence mean)
+    old, mask, adv = torch.zeros(2, 3), torch.ones(2, 3), T([-1.0, -1.0])
+    for loss_fn in (ppo_clip_loss, gspo_loss, reinforce_loss):
+        out = loss_fn(logp, old, adv, mask)
+        loss = aggregate(out.per_token_loss, mask)
+        (grad,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all() and torch.isfinite(out.ratio_mean), loss_fn
+    ratio = ppo_clip_loss(logp, old, adv, mask).per_token_loss.detach()
+    assert close(ratio[0], [math.exp(20.0), 0.8, math.exp(20.0)], tol=1.0)  # A = -1: loss = ratio (unclipped side)
 
 
 def test_ppo_clip_higher_is_asymmetric():
@@ -167,6 +267,37 @@ def test_kl_estimators_by_hand():
         kl_estimate(logp, ref, "k4")
 
 
+def kl_in_reward_gradient(theta: torch.Tensor, ref_logp: torch.Tensor, estimator: str, beta: float) -> torch.Tensor:
+    """The gradient the trainer takes with `kl_in: reward`, in exact expectation: every answer x of a one-token
+    categorical policy pi = softmax(theta) enumerated, weighted by pi(x). The reward is -beta * k(x), a constant
+    (detached), and the loss is REINFORCE's -A * log pi(x)."""
+    logp = torch.log_softmax(theta, -1)[:, None]  # [V answers, 1 token]
+    kl = kl_estimate(logp.detach(), ref_logp[:, None], estimator)  # no gradient through a reward
+    advantages = -beta * kl.sum(-1)  # what build_trajectories folds into the rewards (no baseline needed here)
+    per_token = reinforce_loss(logp, logp.detach(), advantages, torch.ones_like(logp)).per_token_loss
+    expected = (logp.detach().exp() * per_token).sum()  # E_{x ~ pi}[-A(x) log pi(x)]
+    return torch.autograd.grad(expected, theta)[0]
+
+
+def test_k1_as_a_reward_gives_the_kl_gradient_and_k3_does_not():
+    """Score function: E_pi[k1 * grad log pi] = grad KL(pi || ref) exactly, since E_pi[grad log pi] = 0. k3 as a
+    reward gives grad KL(pi || ref) - grad KL(ref || pi) instead."""
+    torch.manual_seed(0)
+    theta = (2 * torch.randn(6)).requires_grad_()
+    ref_logp = torch.log_softmax(2 * torch.randn(6), -1)
+    beta = 0.5
+    def grad(fn):
+        return torch.autograd.grad(fn(torch.log_softmax(theta, -1)), theta)[0]
+
+    exact = grad(lambda logp: beta * (logp.exp() * (logp - ref_logp)).sum())  # grad of beta * KL(pi || ref)
+    k1 = kl_in_reward_gradient(theta, ref_logp, "k1", beta)
+    assert torch.allclose(k1, exact, atol=1e-6), (k1, exact)
+    k3 = kl_in_reward_gradient(theta, ref_logp, "k3", beta)
+    reverse = grad(lambda logp: beta * (ref_logp.exp() * (ref_logp - logp)).sum())  # grad of beta * KL(ref || pi)
+    assert torch.allclose(k3, exact - reverse, atol=1e-6)  # the formula in vlmrl/algorithms/kl.py
+    assert (k3 - exact).norm() > 0.3 * exact.norm()  # far from the KL gradient
+
+
 def test_aggregation_modes_over_masked_padding():
     x, mask = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]), T([[1, 1, 0], [1, 0, 0]])
     assert aggregate(x, mask, "token-mean").item() == pytest.approx(7 / 3)
@@ -208,3 +339,41 @@ def test_micro_batches_by_token_budget():
     assert [c.tolist() for c in micro_batches(rows, (prompt, completion), 1, 1000)] == [[14], [12], [11], [13], [10]]
     assert [c.tolist() for c in micro_batches(rows, (prompt, completion), 2, 0)] == [[10, 11], [12, 13], [14]]
     assert [c.tolist() for c in micro_batches(rows, (prompt, completion), 0, 0)] == [[10, 11, 12, 13, 14]]
+
+
+def test_kl_in_the_reward_is_k1_summed_and_remax_shapes_its_greedy_baseline_too(tiny_model_dir, count_samples):
+    """kl_in: reward folds -beta * sum_t k1_t = -beta * log(pi(y) / ref(y)) into each answer's reward, and ReMax's
+    greedy baseline gets the same shaping: an answer identical to the greedy one has advantage 0 exactly."""
+    from vlmrl.config import load_config
+    from vlmrl.models import load_policy
+    from vlmrl.models.forward import sequence_logprobs
+    from vlmrl.models.reference import Reference
+    from vlmrl.rewards import RewardSpec
+    from vlmrl.trainer.rl import StepContext, build_trajectories, collect_and_score
+
+    cfg = load_config(None, ["rollout.group_size=3", "rollout.max_new_tokens=6", "algorithm.advantage=remax",
+                             "algorithm.policy_loss=reinforce", "algorithm.beta=0.5", "algorithm.kl_in=reward",
+                             "algorithm.kl_estimator=k1"])
+    policy, frozen = load_policy(tiny_model_dir), load_policy(tiny_model_dir)
+    with torch.no_grad():  # a reference that differs from the policy, so the KL is not 0
+        for p in frozen.model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    opt = torch.optim.SGD(policy.model.parameters(), lr=0.1)
+    ctx = StepContext(policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0),
+                      [RewardSpec("accuracy", 1.0, {"strict": False})], cfg.rollout, cfg.algorithm, cfg.trainer,
+                      reference=Reference(policy, frozen), generator=torch.Generator().manual_seed(0))
+    batch = collect_and_score(ctx, count_samples[:2])
+    r = batch.rollout
+    batch.rewards.total = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    batch.baseline_rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0])  # the greedy answer = each group's first
+    batch.greedy = r.select(torch.tensor([0, 3]), torch.arange(2))
+    traj = build_trajectories(ctx, batch)
+    with torch.no_grad():
+        args = (batch.prompts, r.prompt_index, r.completion_ids, r.completion_mask, cfg.rollout.temperature)
+        log_ratio = ((sequence_logprobs(policy, *args).logprobs - sequence_logprobs(frozen, *args).logprobs)
+                     * r.completion_mask).sum(-1)
+    assert log_ratio.abs().min() > 1e-3  # the shaping is visible
+    assert torch.allclose(traj.rewards, batch.rewards.total - 0.5 * log_ratio, atol=1e-5)
+    assert traj.advantages[0].abs() < 1e-5 and traj.advantages[3].abs() < 1e-5  # same answer as the baseline
+    expected = traj.rewards - traj.rewards[[0, 0, 0, 3, 3, 3]]  # (r - beta KL(y)) - (r_greedy - beta KL(y_greedy))
+    assert torch.allclose(traj.advantages, expected, atol=1e-5)

@@ -172,8 +172,10 @@ def test_judge_reward_every_sample_ends_with_a_reward_or_a_counted_failure(tmp_p
         again = compute_rewards([spec], completions, columns)
     assert out.components["judge"] == [1.0, 0.0, None, None, None, None, 0.0, 1.0]
     assert out.failures["judge"] == 4 and out.total.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0]
+    # the four failures are marked as failed (left out of training), the blank answer's 0.0 is a score
+    assert out.failed.tolist() == [False, False, True, True, True, True, False, False]
     metrics = out.metrics()
-    assert metrics["reward/failure_rate"] == 4 / 8
+    assert metrics["reward/failure_rate"] == 4 / 8 and metrics["reward/failed_samples"] == 4
     # 2 good answers (the repeated "red" is sent once) + 3 attempts for each of SLOW, BROKEN, DOWN + 1 for MUTE
     assert sent == 2 + 3 * 3 + 1 and metrics["reward/judge/requests"] == sent
     assert metrics["reward/judge/retries"] == 3 * 2 and metrics["reward/judge/failures"] == 3
@@ -198,6 +200,77 @@ def test_judge_reward_auth_error_stops_scoring(monkeypatch):
                                            **FAST})
         with pytest.raises(FatalRewardError, match="401"):
             compute_rewards([spec], ["<answer>red</answer>"], {"solution": ["red"]})
+
+
+def judge_spec(server: JudgeServer, **kwargs) -> RewardSpec:
+    return RewardSpec("judge", kwargs={"base_url": server.base_url, "model": "m", "prediction": "completion",
+                                       **FAST, **kwargs})
+
+
+def test_judge_batch_deadline_bounds_a_hung_endpoint():
+    """m9: a hung endpoint costs one batch deadline, not (retries + 1) x timeout per request."""
+    completions = [f"answer {i}" for i in range(6)]
+    with JudgeServer(rules={"": "slow"}, slow_seconds=3.0) as server:
+        spec = judge_spec(server, timeout=5.0, max_retries=3, concurrency=2, batch_timeout=0.5)
+        start = time.monotonic()
+        out = compute_rewards([spec], completions, {"solution": ["x"] * 6})
+        elapsed = time.monotonic() - start
+    assert elapsed < 2.5 and out.components["judge"] == [None] * 6  # vs 6 / 2 x 3 s at least without it
+    assert out.failed.all() and out.failures["judge"] == 6
+    assert out.metrics()["reward/judge/deadline_misses"] == 6 and "deadline" in out.errors["judge"]
+
+
+def test_judge_circuit_opens_after_consecutive_failures_and_recovers():
+    completions = [f"answer {i}" for i in range(6)]
+    with JudgeServer(script=["500"] * 4) as server:  # 4 failures, then the endpoint is back
+        spec = judge_spec(server, max_retries=0, concurrency=1, circuit_failures=3, circuit_cooldown=0.3)
+        out = compute_rewards([spec], completions, {"solution": ["x"] * 6})
+        m = out.metrics()
+        assert len(server.requests) == 3  # the circuit opened after 3: the other 3 never reached the network
+        assert m["reward/judge/circuit_opens"] == 1 and m["reward/judge/short_circuited"] == 3
+        assert out.failed.all() and out.failures["judge"] == 6
+        assert [d["error"].startswith("circuit open") for d in out.details["judge"]] == [False] * 3 + [True] * 3
+        again = compute_rewards([spec], completions, {"solution": ["x"] * 6})  # still open: nothing is sent
+        assert len(server.requests) == 3 and again.metrics()["reward/judge/short_circuited"] == 6
+        time.sleep(0.35)  # after the cool-down a request goes through; it fails (the 4th scripted 500): open again
+        compute_rewards([spec], completions, {"solution": ["x"] * 6})
+        assert len(server.requests) == 4
+        time.sleep(0.35)  # then the endpoint answers: the circuit closes and every answer is judged
+        last = compute_rewards([spec], completions, {"solution": ["x"] * 6})
+        assert len(server.requests) == 10 and not last.failed.any() and last.components["judge"] == [0.0] * 6
+        server.script.append("500")  # one failure after a reply: the count starts again, the circuit stays closed
+        fresh = compute_rewards([spec], ["other 1", "other 2", "other 3"], {"solution": ["x"] * 3})
+    assert fresh.failed.tolist() == [True, False, False] and fresh.metrics()["reward/judge/short_circuited"] == 0
+
+
+def test_a_judge_timeout_in_an_all_equal_group_is_not_a_penalty(tiny_model_dir, count_samples):
+    """D4/M3: one answer's judge request times out while its group's other answers all get 1.0. The failure is not
+    a 0: every advantage stays 0, the failed answer gets no loss, and the failure is counted."""
+    import torch
+
+    from vlmrl.config import load_config
+    from vlmrl.models import load_policy
+    from vlmrl.trainer.rl import StepContext, build_trajectories, collect_and_score
+
+    cfg = load_config(None, ["rollout.group_size=4", "rollout.max_new_tokens=6"])
+    policy = load_policy(tiny_model_dir)
+    opt = torch.optim.SGD(policy.model.parameters(), lr=0.1)
+    with JudgeServer(script=["slow"], slow_seconds=1.0, reply=lambda prompt: "+ fine\n[RELEVANT]") as server:
+        spec = judge_spec(server, timeout=0.3, max_retries=0, concurrency=1)  # the first request (row 0) times out
+        ctx = StepContext(policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), [spec], cfg.rollout,
+                          cfg.algorithm, cfg.trainer, generator=torch.Generator().manual_seed(0))
+        batch = collect_and_score(ctx, count_samples[:2])
+    texts = batch.rollout.texts
+    assert all(t.strip() for t in texts)  # (every answer goes to the judge: a blank one would pay 0 unasked)
+    failed = [t == texts[0] for t in texts]  # (a repeat of row 0's answer shares its one request)
+    assert batch.rewards.failed.tolist() == failed and batch.rewards.components["judge"][1:4] == [
+        None if f else 1.0 for f in failed[1:4]]
+    traj = build_trajectories(ctx, batch)
+    assert torch.equal(traj.advantages, torch.zeros(8))  # as a 0, the failure would push its siblings up
+    assert traj.loss_mask[0].sum() == 0 and traj.loss_mask[~torch.tensor(failed)].sum(-1).min() > 0
+    m = batch.rewards.metrics()
+    assert m["reward/failed_samples"] == sum(failed) and m["reward/judge/timeouts"] == 1
+    assert m["reward/total/mean"] == 1.0  # the step's reward curve does not dip for an infrastructure failure
 
 
 # ----------------------------------------------------------------------------------------------- inspect-reward

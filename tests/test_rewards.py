@@ -317,7 +317,8 @@ def test_metrics_keys_and_values():
     )
     metrics = out.metrics()
     expected = {f"reward/{k}/{s}" for k in ("accuracy", "format") for s in ("mean", "std", "count", "failures")}
-    expected |= {"reward/total/mean", "reward/total/std", "reward/failure_rate", "reward/no_reward"}
+    expected |= {"reward/total/mean", "reward/total/std", "reward/failure_rate", "reward/failed_samples",
+                 "reward/no_reward"}
     expected |= {"time/reward/accuracy", "time/reward/format"}
     assert set(metrics) == expected
     assert metrics["reward/accuracy/mean"] == 0.5 and metrics["reward/accuracy/std"] == 0.5

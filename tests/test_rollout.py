@@ -87,3 +87,32 @@ def test_groups_stay_aligned_under_shuffle(tiny_model_dir, count_samples, n_prom
         with torch.no_grad():
             logp = completion_logprobs(policy.family, pe, r.completion_ids[n:n + 1], r.completion_mask[n:n + 1]).logprobs
         assert torch.allclose(logp[0], r.logprobs[n], atol=1e-4)
+
+
+def test_every_prompt_position_and_step_samples_from_its_own_stream(tiny_model_dir, count_samples):
+    """The prompts of one step draw from independent random streams: the same prompt at two positions of a step (or
+    at one position in two steps) gets different answers, and a group's G answers differ from each other. A sampler
+    that reused one noise stream per position, per step or per group would give identical answers here."""
+    from vlmrl.config import load_config
+    from vlmrl.rewards import RewardSpec
+    from vlmrl.trainer.rl import StepContext, collect
+
+    cfg = load_config(None, ["rollout.group_size=4", "rollout.max_new_tokens=8", "rollout.temperature=1.0"])
+    policy = load_policy(tiny_model_dir)
+    opt = torch.optim.SGD(policy.model.parameters(), lr=0.0)
+    ctx = StepContext(policy, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0), [RewardSpec("format")],
+                      cfg.rollout, cfg.algorithm, cfg.trainer, generator=torch.Generator().manual_seed(0), step=1)
+    same = [count_samples[0]] * 3  # one prompt at positions 0, 1 and 2
+
+    def answers(step: int, round_index: int = 0) -> list[tuple[tuple[int, ...], ...]]:
+        ctx.step = step
+        r = collect(ctx, same, round_index=round_index)[1]
+        rows = [tuple(ids[mask.bool()].tolist()) for ids, mask in zip(r.completion_ids, r.completion_mask, strict=True)]
+        return [tuple(rows[i * 4:(i + 1) * 4]) for i in range(3)]  # the group of each position
+
+    step1 = answers(1)
+    assert len(set(step1)) == 3  # positions 0, 1, 2: three different groups of answers
+    assert all(len(set(group)) > 1 for group in step1)  # a group's answers are not copies of one draw
+    assert set(answers(2)).isdisjoint(step1)  # the next step: fresh answers at every position
+    assert set(answers(1, round_index=1)).isdisjoint(step1)  # a dynamic-sampling round: fresh answers too
+    assert answers(1) == step1  # and all of it is a function of (seed, step, round, position): reproducible

@@ -5,6 +5,16 @@ Rewards arrive as a flat tensor [N] where rows of one group (the G answers to on
 use) and returns an `Advantages`: one advantage per trajectory [N] (broadcast over its tokens by the loss) or per
 token [N, T], plus value targets for estimators with a critic.
 
+Two keyword arguments every estimator honours:
+
+- `scored` [N] bool (None: all True): rows whose reward could be computed. A row that is not scored (its reward
+  failed, e.g. a judge timeout) gets advantage 0 and is left out of every group and batch statistic, so a failure
+  is never read as a low reward; a group left with fewer than two scored answers (one, for ReMax's greedy
+  baseline) has no signal and gets 0.
+- `reduce`: a function that sums a tensor over the data-parallel ranks (None: one process). Statistics "over the
+  batch" (`advantage_scale: batch`, REINFORCE++'s and GAE's whitening) go through it, so every rank uses the global
+  batch's mean and std, as one process would.
+
 Adding an estimator is a function and a decorator:
 
     @register_advantage("mine")
@@ -18,6 +28,8 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+Reduce = Callable[[Tensor], Tensor]  # sum over data-parallel ranks
 
 
 class Advantages(NamedTuple):
@@ -36,50 +48,81 @@ def register_advantage(name: str):
 
 
 def _safe_div(x: Tensor, d: Tensor) -> Tensor:
-    """x / d, and 0 where d == 0 (an all-equal group has x == 0 exactly: 0 / 0 must be 0, not NaN)."""
+    """x / d, and 0 where d == 0 (an all-equal group with eps = 0 has x == 0 exactly: 0 / 0 must be 0, not NaN)."""
     d = torch.as_tensor(d, dtype=x.dtype).expand_as(x)
     return torch.where(d > 0, x / d.clamp(min=torch.finfo(x.dtype).tiny), torch.zeros_like(x))
 
 
-@register_advantage("grpo")
-def grpo_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-6, **_) -> Advantages:
-    """GRPO: A_i = (r_i - mean(r_group)) / (std(r_group) + eps).
+def _keep(rewards: Tensor, scored: Tensor | None) -> Tensor:
+    """The scored mask [N] as rewards' dtype (all ones when None)."""
+    if scored is None:
+        return torch.ones_like(rewards)
+    return scored.to(device=rewards.device, dtype=rewards.dtype)
 
-    scale="group" divides by the group's std (GRPO), "batch" by the std of the whole batch, "none" not at all
-    (Dr.GRPO: the std division over-weights near-uniform groups). std is the unbiased estimate, as in the GRPO
-    paper and TRL. A group whose rewards are all equal gets advantage 0 (never NaN); so does a group of one.
+
+def _sum(x: Tensor, reduce: Reduce | None) -> Tensor:
+    return x if reduce is None else reduce(x)
+
+
+def group_stats(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Per group [num_groups, 1], over its scored answers only: (count, mean, unbiased std; std 0 below 2)."""
+    groups, keep = rewards.view(-1, group_size), _keep(rewards, scored).view(-1, group_size)
+    count = keep.sum(1, keepdim=True)
+    mean = (groups * keep).sum(1, keepdim=True) / count.clamp(min=1)
+    var = (((groups - mean) * keep) ** 2).sum(1, keepdim=True) / (count - 1).clamp(min=1)
+    return count, mean, var.sqrt()
+
+
+def batch_std(rewards: Tensor, scored: Tensor | None = None, reduce: Reduce | None = None) -> Tensor:
+    """The unbiased std of the scored rewards of the whole batch (every rank's, through `reduce`); 0 below 2."""
+    keep = _keep(rewards, scored)
+    n = _sum(keep.sum(), reduce)
+    mean = _sum((rewards * keep).sum(), reduce) / n.clamp(min=1)
+    var = _sum((((rewards - mean) * keep) ** 2).sum(), reduce) / (n - 1).clamp(min=1)
+    return var.sqrt()
+
+
+@register_advantage("grpo")
+def grpo_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-6,
+                    scored: Tensor | None = None, reduce: Reduce | None = None, **_) -> Advantages:
+    """GRPO: A_i = (r_i - mean(r_group)) / (std(r_group) + eps), over the group's scored answers.
+
+    scale="group" divides by the group's std (GRPO), "batch" by the std of the whole batch (all ranks), "none" not
+    at all (Dr.GRPO: the std division over-weights near-uniform groups). std is the unbiased estimate, as in the
+    GRPO paper and TRL. A group whose rewards are all equal gets advantage 0 (never NaN), and so does a group of
+    one, or a group with one scored answer.
     """
-    groups = rewards.view(-1, group_size)
-    centred = groups - groups.mean(dim=1, keepdim=True)
+    if scale not in ("group", "batch", "none"):
+        raise ValueError(f"grpo scale must be one of 'group', 'batch', 'none', got {scale!r}")
+    keep = _keep(rewards, scored).view(-1, group_size)
+    count, mean, std = group_stats(rewards, group_size, scored)
+    centred = (rewards.view(-1, group_size) - mean) * keep
     if scale == "none" or group_size == 1:
         return Advantages(centred.flatten())
-    if scale == "group":
-        std = groups.std(dim=1, keepdim=True)
-    elif scale == "batch":
-        std = rewards.std() if rewards.numel() > 1 else rewards.new_zeros(())
-    else:
-        raise ValueError(f"grpo scale must be one of 'group', 'batch', 'none', got {scale!r}")
+    if scale == "batch":
+        std = batch_std(rewards, scored, reduce)
     return Advantages(_safe_div(centred, std + eps).flatten())
 
 
 @register_advantage("rloo")
-def rloo_advantages(rewards: Tensor, group_size: int, **_) -> Advantages:
-    """RLOO: A_i = r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean(r_group)), the leave-one-out baseline.
+def rloo_advantages(rewards: Tensor, group_size: int, scored: Tensor | None = None, **_) -> Advantages:
+    """RLOO: A_i = r_i - mean_{j != i} r_j = k / (k - 1) * (r_i - mean(r_group)), the leave-one-out baseline over
+    the group's k scored answers (k = G when every answer was scored).
 
-    A group of one has no other answer to compare with: advantage 0.
+    A group of one (or with one scored answer) has no other answer to compare with: advantage 0.
     """
-    if group_size == 1:
-        return Advantages(torch.zeros_like(rewards))
-    groups = rewards.view(-1, group_size)
-    centred = groups - groups.mean(dim=1, keepdim=True)
-    return Advantages((centred * group_size / (group_size - 1)).flatten())
+    keep = _keep(rewards, scored).view(-1, group_size)
+    count, mean, _ = group_stats(rewards, group_size, scored)
+    centred = (rewards.view(-1, group_size) - mean) * keep
+    return Advantages((centred * count / (count - 1).clamp(min=1)).flatten())
 
 
 @register_advantage("remax")
-def remax_advantages(rewards: Tensor, baseline_rewards: Tensor, **_) -> Advantages:
+def remax_advantages(rewards: Tensor, baseline_rewards: Tensor, scored: Tensor | None = None, **_) -> Advantages:
     """ReMax: A_i = r_i - r(greedy answer to the same prompt); `baseline_rewards` [N] holds, for each trajectory,
-    the reward of its prompt's greedy answer."""
-    return Advantages(rewards - baseline_rewards)
+    the reward of its prompt's greedy answer (both with the same KL shaping when KL is in the reward). `scored`
+    covers the baseline too: a prompt whose greedy answer failed has no baseline."""
+    return Advantages((rewards - baseline_rewards) * _keep(rewards, scored))
 
 
 def token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None = None, beta: float = 0.0) -> Tensor:
@@ -105,45 +148,53 @@ def discounted_returns(token_reward: Tensor, mask: Tensor, gamma: float = 1.0) -
     return out * mask
 
 
-def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """(x - mean) / std over the real tokens of the whole batch; padding stays 0."""
+def masked_whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, reduce: Reduce | None = None) -> Tensor:
+    """(x - mean) / std over the real tokens of the whole batch (every rank's, through `reduce`); padding stays 0."""
     mask = mask.to(x.dtype)
-    n = mask.sum().clamp(min=1)
-    mean = (x * mask).sum() / n
-    var = (((x - mean) * mask) ** 2).sum() / n
+    n = _sum(mask.sum(), reduce).clamp(min=1)
+    mean = _sum((x * mask).sum(), reduce) / n
+    var = _sum((((x - mean) * mask) ** 2).sum(), reduce) / n
     return (x - mean) * torch.rsqrt(var + eps) * mask
+
+
+def _scored_tokens(mask: Tensor, scored: Tensor | None) -> Tensor:
+    """The token mask [N, T] without the rows whose reward failed."""
+    return mask if scored is None else mask * scored.to(device=mask.device, dtype=mask.dtype)[:, None]
 
 
 @register_advantage("reinforce_pp")
 def reinforce_pp_advantages(rewards: Tensor, group_size: int, mask: Tensor, kl: Tensor | None = None,
-                            beta: float = 0.0, gamma: float = 1.0, baseline: str = "none", **_) -> Advantages:
+                            beta: float = 0.0, gamma: float = 1.0, baseline: str = "none",
+                            scored: Tensor | None = None, reduce: Reduce | None = None, **_) -> Advantages:
     """REINFORCE++: token rewards r_t = -beta * KL_t (+ the sequence reward on the last token), returns-to-go
-    G_t = sum_{k>=t} gamma^(k-t) r_k, whitened over every real token of the batch.
+    G_t = sum_{k>=t} gamma^(k-t) r_k, whitened over every real token of the batch (all ranks).
 
     baseline="none" is REINFORCE++ as MAYE trains it (works with one answer per prompt); baseline="group" first
     subtracts the group's mean reward (REINFORCE++-baseline, for G > 1).
     """
     if baseline == "group":
-        groups = rewards.view(-1, group_size)
-        rewards = (groups - groups.mean(dim=1, keepdim=True)).flatten()
+        _, mean, _ = group_stats(rewards, group_size, scored)
+        rewards = (rewards.view(-1, group_size) - mean).flatten()
     elif baseline != "none":
         raise ValueError(f"reinforce_pp baseline must be 'none' or 'group', got {baseline!r}")
+    mask = _scored_tokens(mask, scored)
     returns = discounted_returns(token_rewards(rewards, mask, kl, beta), mask, gamma)
-    return Advantages(masked_whiten(returns, mask))
+    return Advantages(masked_whiten(returns, mask, reduce=reduce))
 
 
 @register_advantage("gae")
 def gae_advantages(rewards: Tensor, mask: Tensor, values: Tensor, kl: Tensor | None = None, beta: float = 0.0,
-                   gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, **_) -> Advantages:
+                   gamma: float = 1.0, lam: float = 0.95, whiten: bool = True, scored: Tensor | None = None,
+                   reduce: Reduce | None = None, **_) -> Advantages:
     """PPO's generalised advantage estimation with a learned value V_t per token:
 
         delta_t = r_t + gamma * V_{t+1} - V_t   (V after the last real token is 0)
         A_t = sum_k (gamma * lam)^k delta_{t+k},   returns_t = A_t + V_t (the critic's target)
 
     r_t are the token rewards (sequence reward on the last token, -beta * KL_t on every token). Advantages are
-    whitened over real tokens when `whiten`; returns are not.
+    whitened over real tokens (all ranks) when `whiten`; returns are not.
     """
-    mask = mask.to(values.dtype)
+    mask = _scored_tokens(mask, scored).to(values.dtype)
     r = token_rewards(rewards, mask, kl, beta)
     values = values * mask
     adv = torch.zeros_like(values)
@@ -154,16 +205,22 @@ def gae_advantages(rewards: Tensor, mask: Tensor, values: Tensor, kl: Tensor | N
         running = (delta + gamma * lam * running * (mask[:, t + 1] if t + 1 < values.shape[1] else 0)) * mask[:, t]
         adv[:, t] = running
     returns = (adv + values) * mask
-    return Advantages(masked_whiten(adv, mask) if whiten else adv, returns)
+    return Advantages(masked_whiten(adv, mask, reduce=reduce) if whiten else adv, returns)
 
 
-def zero_variance_fraction(rewards: Tensor, group_size: int, tol: float = 1e-8) -> float:
-    """Share of groups whose rewards are all equal: they carry no group-relative signal (invariant 4 in docs/concepts.md)."""
+def zero_variance_fraction(rewards: Tensor, group_size: int, tol: float = 1e-8, scored: Tensor | None = None
+                           ) -> float:
+    """Share of groups whose scored rewards are all equal (or that have fewer than two scored answers): they carry
+    no group-relative signal (invariant 4 in docs/concepts.md)."""
+    return 1.0 - nonzero_variance_groups(rewards, group_size, tol, scored).float().mean().item()
+
+
+def nonzero_variance_groups(rewards: Tensor, group_size: int, tol: float = 1e-8, scored: Tensor | None = None
+                            ) -> Tensor:
+    """Boolean [num_groups]: groups whose scored rewards differ (DAPO's dynamic sampling keeps only these). A
+    failed reward is no evidence of a difference: a group of equal answers plus one failure is not kept."""
     groups = rewards.view(-1, group_size)
-    return ((groups.max(1).values - groups.min(1).values) <= tol).float().mean().item()
-
-
-def nonzero_variance_groups(rewards: Tensor, group_size: int, tol: float = 1e-8) -> Tensor:
-    """Boolean [num_groups]: groups whose rewards differ (DAPO's dynamic sampling keeps only these)."""
-    groups = rewards.view(-1, group_size)
-    return (groups.max(1).values - groups.min(1).values) > tol
+    keep = _keep(rewards, scored).view(-1, group_size) > 0
+    top = groups.masked_fill(~keep, float("-inf")).max(1).values
+    bottom = groups.masked_fill(~keep, float("inf")).min(1).values
+    return (top - bottom) > tol

@@ -4,6 +4,15 @@ With log_ratio = logp_ref - logp (x sampled from the policy):
   k1 = -log_ratio                       unbiased, high variance, can be negative
   k2 = log_ratio**2 / 2                 biased, low variance
   k3 = exp(log_ratio) - 1 - log_ratio   unbiased, always >= 0 (Schulman's estimator; GRPO's choice)
+
+Where the estimate goes decides which one is right:
+
+- in the loss (`kl_in: loss`), beta * k is differentiated through logp: k3's gradient is that of KL(pi_ref || pi)
+  in expectation, k2's that of KL(pi || pi_ref); k1's expected gradient is 0 (no regularisation at all).
+- in the reward (`kl_in: reward`), -beta * k is a constant that multiplies grad(logp) (the score function). Only k1
+  gives the KL gradient then: E_pi[k1 * grad log pi] = grad KL(pi || pi_ref), because E_pi[grad log pi] = 0. k3 as a
+  reward gives grad KL(pi || pi_ref) - grad KL(pi_ref || pi), which can point the wrong way
+  (`tests/test_algorithms.py` enumerates a small categorical to show both).
 """
 
 from __future__ import annotations

@@ -20,6 +20,14 @@ class PolicyLossOutput(NamedTuple):
 
 
 POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {}
+# |log importance ratio| is clamped here before exp (as verl and OpenRLHF do): exp(20) ~ 5e8 is far past any clip
+# range, and an unclamped exp of a wild log-ratio overflows to inf and turns the loss into NaN
+LOG_RATIO_CLAMP = 20.0
+
+
+def importance_ratio(logp: Tensor, old_logp: Tensor) -> Tensor:
+    """exp(logp - old_logp), the log-ratio clamped to +-LOG_RATIO_CLAMP first (no gradient past the clamp)."""
+    return torch.exp((logp - old_logp).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def register_policy_loss(name: str):
@@ -42,9 +50,10 @@ def ppo_clip_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tens
 
     epsilon_high > epsilon_low is DAPO's clip-higher. `dual_clip` = c > 1 (dual-clip PPO) also bounds the loss of
     negative-advantage tokens with a huge ratio: for A < 0, L = min(L, -c * A). On the first pass over a fresh
-    rollout rho = 1 and the gradient is the plain policy gradient -A * grad(logp).
+    rollout rho = 1 and the gradient is the plain policy gradient -A * grad(logp). The log-ratio is clamped to
+    +-20 before exp.
     """
-    ratio = torch.exp(logp - old_logp)
+    ratio = importance_ratio(logp, old_logp)
     adv = _per_token(advantages)
     unclipped = ratio * adv
     clipped = ratio.clamp(1.0 - epsilon_low, 1.0 + epsilon_high) * adv
@@ -66,10 +75,12 @@ def gspo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, 
 
     Written per token as s_i,t = sg[s_i] * exp(logp_t - sg[logp_t]) (GSPO-token), whose value is s_i and whose
     gradient is s_i * grad(logp_t) / |y_i| under seq-mean-token-mean aggregation. GSPO's clip range is tiny
-    (3e-4, 4e-4) because a sequence ratio moves much less than a token ratio.
+    (3e-4, 4e-4) because a sequence ratio moves much less than a token ratio. The sequence log-ratio is clamped to
+    +-20 before exp.
     """
     m = mask.to(logp.dtype)
-    seq_log_ratio = ((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1)
+    seq_log_ratio = (((logp - old_logp) * m).sum(-1) / m.sum(-1).clamp(min=1)).clamp(-LOG_RATIO_CLAMP,
+                                                                                     LOG_RATIO_CLAMP)
     token_ratio = torch.exp(seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach())
     adv = _per_token(advantages)
     unclipped = token_ratio * adv
@@ -87,7 +98,7 @@ def reinforce_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Ten
     """Plain on-policy REINFORCE: L = -A * logp (no ratio, no clipping; use with ppo_epochs = 1)."""
     adv = _per_token(advantages)
     zero = torch.zeros((), device=logp.device)
-    return PolicyLossOutput(-adv * logp, zero, masked_mean(torch.exp(logp - old_logp), mask).detach())
+    return PolicyLossOutput(-adv * logp, zero, masked_mean(importance_ratio(logp, old_logp), mask).detach())
 
 
 def _per_token(advantages: Tensor) -> Tensor:

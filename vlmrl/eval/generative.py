@@ -70,7 +70,7 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
     policy.model.eval()
     generator = torch.Generator(device=policy.model.device).manual_seed(seed)
     reflection = ReflectionCounts(tuple(reflection_words or REFLECTION_WORDS))
-    totals, records = [], []
+    totals, records, failed = [], [], 0
     step = max(1, batch_size // n)
     for start in range(0, len(samples), step):
         chunk = samples[start:start + step]
@@ -82,7 +82,9 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
         ok = correctness(rollout.texts, columns)
         reflective = reflection.add(rollout.texts, ok)
         if rewards:
-            totals += compute_rewards(rewards, rollout.texts, columns).total.tolist()
+            scores = compute_rewards(rewards, rollout.texts, columns)
+            failed += int((~scores.scored()).sum())  # a failed reward is not a score: left out, counted
+            totals += scores.total[scores.scored()].tolist()
         lengths, truncated = rollout.lengths.tolist(), rollout.truncated.tolist()
         for i, s in enumerate(chunk):
             rows = slice(i * n, (i + 1) * n)  # the answers of prompt i are contiguous
@@ -100,6 +102,8 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
     metrics["samples_per_prompt"] = n
     if totals:
         metrics["mean_reward"] = sum(totals) / len(totals)
+    if rewards:
+        metrics["reward_failed_samples"] = float(failed)
     metrics.update({f"reflection/{k}": v for k, v in reflection.ratios().items()})
     tasks = sorted({r["task"] for r in records})
     per_task = {t: summarize([r for r in records if r["task"] == t], ks) for t in tasks}

@@ -9,7 +9,13 @@ the reply with `parse_feedback`, and is careful about everything that goes wrong
   and malformed JSON, with exponential backoff and jitter; none on other 4xx;
 - 401/403, or an unset key variable, raise `JudgeAuthError` (a FatalRewardError): training stops with a message
   naming the key variable, instead of counting a failure on every sample for hours;
-- an on-disk cache keyed by (model, messages with the images, generation settings): a rerun does not pay twice.
+- an on-disk cache keyed by (model, messages with the images, generation settings): a rerun does not pay twice;
+- a deadline for a whole batch (`judge_many(..., deadline=)`): no attempt starts, and no attempt or backoff runs,
+  past it; what is not judged by then fails (counted in `deadline_misses`);
+- a circuit breaker: after `circuit_failures` requests in a row failed for good, the circuit opens for
+  `circuit_cooldown` seconds, and requests fail at once without touching the network (`short_circuited`); then
+  requests go through again, and the next failure reopens it at once. A down endpoint costs one batch of timeouts,
+  not every step's.
 
     client = JudgeClient("http://127.0.0.1:8000/v1", "qwen2.5-vl-7b", api_key_env="JUDGE_API_KEY")
     feedback = client.judge(question="How many circles?", prediction="3", reference="3", images=[image])
@@ -30,6 +36,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +56,10 @@ class JudgeError(RuntimeError):
 
 class JudgeAuthError(FatalRewardError):
     """The endpoint refused the key (401/403) or the key variable is unset: stop, nothing later can succeed."""
+
+
+class _DeadlinePassed(JudgeError):
+    """The batch's deadline passed before the request got a reply (not the endpoint's fault: no circuit count)."""
 
 
 @dataclass
@@ -125,15 +136,17 @@ class JudgeClient:
     api_key_env: the name of the environment variable that holds the key (None: send no key).
     template: a prompt with {question}, {prediction}, {reference}, {max_reasons}; default by `mode` ("verdict":
         [RELEVANT]/[IRRELEVANT]; "score": Score: N/10). cache_dir: None disables the disk cache.
+    circuit_failures: requests in a row that failed for good before the circuit opens (0: never opens);
+        circuit_cooldown: seconds it stays open.
     stats: counters of requests (HTTP attempts), retries, cache_hits, failures, rate_limited, server_errors,
-        timeouts, malformed, no_verdict, since the client was made."""
+        timeouts, malformed, no_verdict, deadline_misses, circuit_opens, short_circuited, since the client was made."""
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str | None = None, template: str | None = None,
                  mode: str = "verdict", max_reasons: int = 3, timeout: float = 30.0, max_retries: int = 3,
                  concurrency: int = 8, cache_dir: str | Path | None = DEFAULT_CACHE_DIR,
                  image_max_bytes: int = 512_000, max_tokens: int = 256, temperature: float = 0.0,
                  backoff_base: float = 0.5, backoff_max: float = 30.0, retry_after_max: float = 60.0,
-                 system_prompt: str | None = None):
+                 system_prompt: str | None = None, circuit_failures: int = 8, circuit_cooldown: float = 60.0):
         if mode not in TEMPLATES:
             raise ValueError(f"judge mode={mode!r}: expected one of {sorted(TEMPLATES)}")
         self.url = base_url.rstrip("/") + "/chat/completions"
@@ -150,8 +163,12 @@ class JudgeClient:
                                  "key is not set; export it, or remove api_key_env for a server without a key")
         self.cache = JudgeCache(cache_dir)
         self.stats = dict.fromkeys(("requests", "retries", "cache_hits", "failures", "rate_limited",
-                                    "server_errors", "timeouts", "malformed", "no_verdict"), 0)
+                                    "server_errors", "timeouts", "malformed", "no_verdict", "deadline_misses",
+                                    "circuit_opens", "short_circuited"), 0)
         self.last_error: str | None = None
+        self.circuit_failures, self.circuit_cooldown = circuit_failures, circuit_cooldown
+        self._failed_in_a_row = 0
+        self._open_until = 0.0  # time.monotonic() until which the circuit is open
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="vlmrl-judge")
         handlers = [urllib.request.ProxyHandler({})] if urlparse(self.url).hostname in _LOOPBACK else []
@@ -159,7 +176,7 @@ class JudgeClient:
 
     # ------------------------------------------------------------------------------------------------ requests
     def messages(self, question: str, prediction: str, reference: str, images: list[Any] | None = None,
-                 _encoded: dict[int, str] | None = None) -> list[dict]:
+                 _encoded: dict[int, tuple[Any, str]] | None = None) -> list[dict]:
         """The chat messages for one answer: the filled template, then the images as data URLs."""
         text = fill_template(self.template, question=question, prediction=prediction, reference=reference,
                              max_reasons=self.max_reasons)
@@ -168,9 +185,11 @@ class JudgeClient:
             parts: list[dict] = [{"type": "text", "text": text}]
             for image in images:
                 memo = _encoded if _encoded is not None else {}
+                # the memo holds the image itself beside its URL: while it is alive no other image can take its id
+                # (images may come from a bounded decode cache that frees them mid-batch)
                 if id(image) not in memo:
-                    memo[id(image)] = encode_image(image, self.image_max_bytes)
-                parts.append({"type": "image_url", "image_url": {"url": memo[id(image)]}})
+                    memo[id(image)] = (image, encode_image(image, self.image_max_bytes))
+                parts.append({"type": "image_url", "image_url": {"url": memo[id(image)][1]}})
             content = parts
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*system, {"role": "user", "content": content}]
@@ -185,22 +204,46 @@ class JudgeClient:
         self.last_error = result.error
         return result.feedback
 
-    def judge_many(self, requests: list[list[dict]]) -> list[JudgeResult]:
-        """One JudgeResult per list of messages, `concurrency` requests in flight. JudgeAuthError propagates."""
-        futures = [self._pool.submit(self._judge_one, msgs) for msgs in requests]
-        return [f.result() for f in futures]
+    def judge_many(self, requests: list[list[dict]], deadline: float | None = None) -> list[JudgeResult]:
+        """One JudgeResult per list of messages, `concurrency` requests in flight. `deadline` (a `time.monotonic()`
+        value) bounds the whole batch: what is not judged by then is a failed result. JudgeAuthError propagates."""
+        futures = [self._pool.submit(self._judge_one, msgs, deadline) for msgs in requests]
+        if deadline is not None:  # attempts stop at the deadline; the grace covers a reply being read
+            wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()) + 2.0)
+        results = []
+        for f in futures:
+            if f.done() or deadline is None:
+                results.append(f.result())
+            else:
+                f.cancel()
+                self._count("deadline_misses")
+                results.append(JudgeResult(None, "not judged before the batch deadline"))
+        return results
 
-    def _judge_one(self, messages: list[dict]) -> JudgeResult:
+    def _judge_one(self, messages: list[dict], deadline: float | None = None) -> JudgeResult:
         key = JudgeCache.key(self.model, messages, self.settings)
         cached = self.cache.get(key)
         if cached is not None:
             self._count("cache_hits")
             return JudgeResult(parse_feedback(cached, self.max_reasons), cached=True)
+        if deadline is not None and time.monotonic() >= deadline:
+            self._count("deadline_misses")
+            return JudgeResult(None, "not judged before the batch deadline")
+        wait = self._open_until - time.monotonic()
+        if wait > 0:
+            self._count("short_circuited")
+            return JudgeResult(None, f"circuit open after {self._failed_in_a_row} failed requests in a row "
+                                     f"(retrying in {wait:.0f} s)")
         try:
-            content, attempts = self.complete(messages)
+            content, attempts = self.complete(messages, deadline)
+        except _DeadlinePassed as exc:
+            self._count("deadline_misses")
+            return JudgeResult(None, str(exc))
         except JudgeError as exc:
             self._count("failures")
+            self._circuit(failed=True)
             return JudgeResult(None, str(exc))
+        self._circuit(failed=False)
         feedback = parse_feedback(content, self.max_reasons)
         if feedback.score is None:
             self._count("no_verdict")
@@ -208,18 +251,32 @@ class JudgeClient:
         self.cache.put(key, self.model, content)
         return JudgeResult(feedback, attempts=attempts)
 
-    def complete(self, messages: list[dict]) -> tuple[str, int]:
+    def _circuit(self, failed: bool) -> None:
+        """Count a request that failed for good (or reset on one that got a reply); open the circuit at the limit."""
+        with self._lock:
+            self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
+            if failed and self.circuit_failures and self._failed_in_a_row >= self.circuit_failures:
+                if self._open_until <= time.monotonic():
+                    self.stats["circuit_opens"] += 1
+                self._open_until = time.monotonic() + self.circuit_cooldown
+
+    def complete(self, messages: list[dict], deadline: float | None = None) -> tuple[str, int]:
         """The reply text for `messages` and the number of HTTP attempts, retrying as the module docstring says.
-        Raises JudgeError when the retries are spent or the request is refused, JudgeAuthError on 401/403."""
+        Raises JudgeError when the retries are spent or the request is refused (a subclass of it when `deadline`
+        passed first), JudgeAuthError on 401/403."""
         body = json.dumps({"model": self.model, "messages": messages, **self.settings}).encode()
         error = "no attempt"
         for attempt in range(self.max_retries + 1):
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise _DeadlinePassed(f"judge {self.url}: the batch deadline passed after {attempt} attempts; "
+                                      f"last: {error}")
             if attempt:
                 self._count("retries")
             self._count("requests")
             delay = self._backoff(attempt)
             try:
-                status, headers, raw = self._post(body)
+                status, headers, raw = self._post(body, self.timeout if left is None else min(self.timeout, left))
             except TimeoutError:
                 self._count("timeouts")
                 error = f"no reply within {self.timeout:g} s"
@@ -250,16 +307,16 @@ class JudgeClient:
                     self._count("malformed")
                     error = f"malformed reply: {raw[:120].decode(errors='replace')!r}"
             if attempt < self.max_retries:
-                time.sleep(delay)
+                time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
         raise JudgeError(f"judge {self.url}: gave up after {self.max_retries + 1} attempts; last: {error}")
 
-    def _post(self, body: bytes) -> tuple[int, dict[str, str], bytes]:
+    def _post(self, body: bytes, timeout: float | None = None) -> tuple[int, dict[str, str], bytes]:
         headers = {"Content-Type": "application/json"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
-            with self._opener.open(request, timeout=self.timeout) as response:
+            with self._opener.open(request, timeout=timeout or self.timeout) as response:
                 return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
         except urllib.error.HTTPError as exc:
             try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from typing import Any
 
 from vlmrl.rewards.judge import DEFAULT_CACHE_DIR, JudgeCache, JudgeClient
@@ -42,6 +43,9 @@ def judge_reward(
     max_tokens: int = 256,
     temperature: float = 0.0,
     backoff_base: float = 0.5,
+    batch_timeout: float | None = 300.0,
+    circuit_failures: int = 8,
+    circuit_cooldown: float = 60.0,
     send_images: bool = True,
     prediction: str = "answer",
     strict: bool = True,
@@ -60,15 +64,21 @@ def judge_reward(
     pays 0.0 without a request, so the judge cannot be asked to grade a blank. prediction="completion" sends the
     whole completion outside think blocks. The question and reference come from the `question_column` and
     `reference_column` columns, the sample's images (send_images) as data URLs of at most `image_max_bytes`.
-    A request that fails after its retries, or a reply without a verdict, gives None plus a counted failure.
-    Logged per step: reward/judge/{requests, retries, cache_hits, failures, no_verdict, ...} (this batch's counts).
-    Identical requests in a batch (a group's repeated answers) are sent once."""
+    A request that fails after its retries, a reply without a verdict, a request not judged within `batch_timeout`
+    seconds of the call (the whole batch's deadline; None: none), and every request while the circuit is open
+    (after `circuit_failures` requests in a row failed for good, for `circuit_cooldown` seconds) give a
+    `RewardFailure`: the sample is left out of training (advantage 0), never scored 0.
+    Logged per step: reward/judge/{requests, retries, cache_hits, failures, no_verdict, deadline_misses,
+    circuit_opens, short_circuited, ...} (this batch's counts). Identical requests in a batch (a group's repeated
+    answers) are sent once."""
     if prediction not in ("answer", "completion"):
         raise ValueError(f"prediction={prediction!r}: expected 'answer' or 'completion'")
     client = get_client(base_url=base_url, model=model, api_key_env=api_key_env, template=template, mode=mode,
                         max_reasons=max_reasons, timeout=timeout, max_retries=max_retries, concurrency=concurrency,
                         cache_dir=cache_dir, image_max_bytes=image_max_bytes, max_tokens=max_tokens,
-                        temperature=temperature, backoff_base=backoff_base)
+                        temperature=temperature, backoff_base=backoff_base, circuit_failures=circuit_failures,
+                        circuit_cooldown=circuit_cooldown)
+    deadline = None if batch_timeout is None else time.monotonic() + batch_timeout
     n = len(completions)
     questions = per_sample(columns.get(question_column), n, "")
     references = per_sample(columns.get(reference_column), n, "")
@@ -91,7 +101,7 @@ def judge_reward(
         key = JudgeCache.key(model, messages, client.settings)
         unique.setdefault(key, messages)
         owner[i] = key
-    results = dict(zip(unique, client.judge_many(list(unique.values())), strict=True))
+    results = dict(zip(unique, client.judge_many(list(unique.values()), deadline), strict=True))
     for i, key in owner.items():
         result = results[key]
         feedback = result.feedback

@@ -5,16 +5,25 @@ A reward function is a plain callable (TRL's contract):
     def my_reward(completions: list[str], solution: list[str], **columns) -> list[float | None]
 
 Every dataset column arrives as a keyword argument holding a list aligned with `completions`, plus
-`completion_truncated` (and `completion_lengths` when the trainer has them). `None` means "not applicable to this
-sample". Adding a reward is a function and a decorator:
+`completion_truncated` (and `completion_lengths` when the trainer has them). Adding a reward is a function and a
+decorator:
 
     @register_reward("my_reward")
     def my_reward(completions, solution, **_): ...
 
-`compute_rewards` calls each reward once per batch and never lets one crash the loop: an exception, a timeout or a
-return of the wrong length makes that component None for every sample, a NaN/inf/non-number or a `RewardFailure`
-makes that sample's value None, and each lost value is counted in `RewardOutput.failures`. Only `FatalRewardError`
-(e.g. a judge whose API key is refused) stops training, with its message.
+A value is one of three things, and the trainer treats them differently:
+
+- a finite number: the score;
+- `None`: "does not apply to this sample" (e.g. `accuracy` on a box answer): that component is left out of the
+  sample's total, by design;
+- a failure: the reward could not score the sample. It returns `RewardFailure("why")` for that sample, or raises,
+  times out or returns the wrong length (every sample of the batch fails), or returns a NaN/inf/non-number. A
+  failure is not a low score: the sample gets `RewardOutput.failed`, and training gives it advantage 0 and no loss
+  (see `vlmrl.rewards.output`).
+
+`compute_rewards` calls each reward once per batch and never lets one crash the loop; each lost value is counted in
+`RewardOutput.failures`. Only `FatalRewardError` (e.g. a judge whose API key is refused) stops training, with its
+message.
 
 Where a reward runs: user rewards (anything not marked `register_reward(..., inline=True)`) run in a worker process
 (`vlmrl.rewards.safe`) under `RewardSpec.timeout`, so a hang costs one batch of that component, never the run. The
@@ -33,15 +42,15 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from vlmrl.errors import TrainingError
+from vlmrl.errors import ConfigError, TrainingError
+from vlmrl.rewards.output import RewardOutput
 
 if TYPE_CHECKING:  # torch is imported where a tensor is built, so reward worker processes start fast
-    import torch
 
     from vlmrl.rewards.safe import WorkerPool
 
@@ -135,7 +144,7 @@ def resolve_reward(name: str) -> RewardFn:
         return REWARDS[name]
     target, sep, attr = name.rpartition(":")
     if not sep or not target or not attr:
-        raise ValueError(
+        raise ConfigError(
             f"unknown reward {name!r}; registered rewards: {', '.join(sorted(REWARDS))}; "
             "or give 'path/to/file.py:function' or 'package.module:function'"
         )
@@ -148,10 +157,10 @@ def resolve_reward(name: str) -> RewardFn:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
-            raise ValueError(f"reward {name!r}: cannot import module {target!r}: {exc}") from exc
+            raise ConfigError(f"reward {name!r}: cannot import module {target!r}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ValueError(f"reward {name!r}: {target!r} has no callable {attr!r}")
+        raise ConfigError(f"reward {name!r}: {target!r} has no callable {attr!r}")
     return fn
 
 
@@ -180,84 +189,6 @@ class RewardSpec:
                    getattr(cfg, "isolate", None))
 
 
-@dataclass
-class RewardOutput:
-    """Scores of one batch.
-
-    total: float32 [N], sum over components of weight * value, skipping None; a sample where every component is
-        None or failed gets 0.0 and is counted in `no_reward`.
-    components: per component key, the N values (None = not applicable or failed).
-    failures: per component key, how many of the N values were lost to a failure (an exception or a wrong-length
-        return loses all N; a NaN/inf/non-number loses one).
-    errors: per component key, the first failure's message (absent when it did not fail).
-    """
-
-    total: torch.Tensor
-    components: dict[str, list[float | None]]
-    failures: dict[str, int]
-    no_reward: int
-    errors: dict[str, str] = field(default_factory=dict)
-    extra: dict[str, dict[str, float]] = field(default_factory=dict)  # per component: RewardBatch.metrics
-    details: dict[str, list[Any]] = field(default_factory=dict)  # per component: RewardBatch.details
-    seconds: dict[str, float] = field(default_factory=dict)  # per component: wall time of its call
-
-    def select(self, rows: list[int]) -> RewardOutput:
-        """The samples at `rows` (e.g. the groups dynamic sampling keeps); call-level counters are kept as they are."""
-        return RewardOutput(self.total[rows], {k: [v[i] for i in rows] for k, v in self.components.items()},
-                            self.failures, self.no_reward, self.errors, self.extra,
-                            {k: [v[i] for i in rows] for k, v in self.details.items()}, self.seconds)
-
-    @staticmethod
-    def concat(outputs: list[RewardOutput]) -> RewardOutput:
-        """Several batches' scores as one; failure counts, reported counters and seconds are summed."""
-        import torch
-
-        first = outputs[0]
-
-        def summed(attr):
-            return {k: sum(getattr(o, attr).get(k, 0) for o in outputs) for k in getattr(first, attr)}
-
-        return RewardOutput(torch.cat([o.total for o in outputs]),
-                            {k: [v for o in outputs for v in o.components[k]] for k in first.components},
-                            summed("failures"), sum(o.no_reward for o in outputs),
-                            {k: v for o in outputs for k, v in o.errors.items()},
-                            {k: {n: sum(o.extra.get(k, {}).get(n, 0.0) for o in outputs) for n in first.extra[k]}
-                             for k in first.extra},
-                            {k: [v for o in outputs for v in o.details.get(k, [])] for k in first.details},
-                            summed("seconds"))
-
-    def metrics(self) -> dict[str, float]:
-        """Flat metrics: reward/{key}/mean, /std (population std over non-None values; 0.0 when there are none),
-        /count (non-None values), /failures, plus any reward/{key}/{name} the reward reported in a RewardBatch;
-        reward/total/mean and /std over all samples; reward/failure_rate (failed values / (N * components));
-        reward/no_reward; time/reward/{key} (seconds)."""
-        out: dict[str, float] = {}
-        for key, values in self.components.items():
-            present = [v for v in values if v is not None]
-            mean, std = _mean_std(present)
-            out[f"reward/{key}/mean"] = mean
-            out[f"reward/{key}/std"] = std
-            out[f"reward/{key}/count"] = float(len(present))
-            out[f"reward/{key}/failures"] = float(self.failures.get(key, 0))
-            out.update({f"reward/{key}/{name}": float(v) for name, v in self.extra.get(key, {}).items()})
-            if key in self.seconds:
-                out[f"time/reward/{key}"] = self.seconds[key]
-        mean, std = _mean_std(self.total.tolist())
-        out["reward/total/mean"] = mean
-        out["reward/total/std"] = std
-        calls = self.total.numel() * len(self.components)
-        out["reward/failure_rate"] = sum(self.failures.values()) / calls if calls else 0.0
-        out["reward/no_reward"] = float(self.no_reward)
-        return out
-
-
-def _mean_std(values: Sequence[float]) -> tuple[float, float]:
-    if not values:
-        return 0.0, 0.0
-    mean = sum(values) / len(values)
-    return mean, math.sqrt(sum((v - mean) ** 2 for v in values) / len(values))
-
-
 def _as_score(value: Any) -> float | None:
     """A finite float, or None for NaN/inf and anything that is not a number (strings included)."""
     if isinstance(value, (str, bytes)) or not hasattr(value, "__float__"):
@@ -276,6 +207,10 @@ class _Scored:
     error: str | None
     metrics: dict[str, float] = field(default_factory=dict)
     details: list[Any] | None = None
+    failed_rows: list[bool] | None = None  # per sample: this value was lost to a failure (None: all, if failed == n)
+
+    def row_failed(self, i: int) -> bool:
+        return self.failed_rows[i] if self.failed_rows is not None else self.failed > 0
 
 
 def _score_values(raw: Any, n: int) -> _Scored:
@@ -287,21 +222,23 @@ def _score_values(raw: Any, n: int) -> _Scored:
     if len(values_in) != n:
         return _Scored([None] * n, n, f"returned {len(values_in)} values for {n} completions")
     values: list[float | None] = []
-    failed, error = 0, None
+    rows: list[bool] = []
+    error = None
     for i, value in enumerate(values_in):
         if isinstance(value, RewardFailure):
-            failed += 1
             error = error or f"sample {i}: {value.reason}"
             values.append(None)
+            rows.append(True)
             continue
         score = None if value is None else _as_score(value)
         if value is not None and score is None:
-            failed += 1
             error = error or f"sample {i}: invalid value {value!r} (expected a finite number or None)"
         values.append(score)
+        rows.append(value is not None and score is None)
     metrics = getattr(raw, "metrics", None) if isinstance(raw, RewardBatch) else None
     details = getattr(raw, "details", None) if isinstance(raw, RewardBatch) else None
-    return _Scored(values, failed, error, dict(metrics or {}), list(details) if details is not None else None)
+    return _Scored(values, sum(rows), error, dict(metrics or {}), list(details) if details is not None else None,
+                   rows)
 
 
 def _call_inline(fn: RewardFn, completions: list[str], kwargs: dict[str, Any]) -> _Scored:
@@ -355,9 +292,39 @@ def _placement(spec: RewardSpec, fn: RewardFn) -> str | None:
         return None
     ref = reward_ref(fn)
     if ref is None and spec.isolate:
-        raise ValueError(f"reward {spec.key!r}: isolate=true needs a function a worker can import (a module-level "
+        raise ConfigError(f"reward {spec.key!r}: isolate=true needs a function a worker can import (a module-level "
                          f"function in a file or package), not {_qualname(fn)}")
     return ref
+
+
+def check_specs(specs: Sequence[RewardSpec], columns: Iterable[str] = ()) -> list[tuple[RewardSpec, RewardFn]]:
+    """Each spec with its function; ConfigError for what would fail every call: an unknown name, two specs with
+    the same key, a kwarg the function does not take, a kwarg that shadows a dataset column, isolate=true on a
+    function a worker cannot import. `vlmrl train` calls this before any data or model is built (with the data's
+    columns once loaded), so none of these surfaces at the first step."""
+    resolved = [(spec, resolve_reward(spec.name)) for spec in specs]
+    keys = [spec.key for spec in specs]
+    duplicates = sorted({k for k in keys if keys.count(k) > 1})
+    if duplicates:
+        raise ConfigError(f"reward components {duplicates} appear twice; give each a distinct label "
+                          f"(rewards[i].label)")
+    columns = set(columns)
+    for spec, fn in resolved:
+        clash = sorted(set(spec.kwargs) & columns)
+        if clash:
+            raise ConfigError(f"reward {spec.key!r}: kwargs {clash} shadow dataset columns of the same name")
+        try:
+            params = inspect.signature(fn).parameters.values()
+        except (TypeError, ValueError):  # a builtin or C function: nothing to check against
+            continue
+        if not any(p.kind is p.VAR_KEYWORD for p in params):
+            names = {p.name for p in params}
+            unknown = sorted(set(spec.kwargs) - names)
+            if unknown:
+                raise ConfigError(f"reward {spec.key!r}: kwargs {unknown} are not options of {_qualname(fn)}; its "
+                                  f"options: {sorted(names - {'completions'})}")
+        _placement(spec, fn)
+    return resolved
 
 
 def compute_rewards(
@@ -368,19 +335,10 @@ def compute_rewards(
     module docstring; `pool` defaults to the process-wide "rewards" pool).
 
     total[i] = sum_k weight_k * value_k[i] over components k whose value is not None; 0.0 (and counted in
-    `no_reward`) when there is none. Configuration errors raise before any reward runs: an unknown name
-    (ValueError listing REWARDS), two specs with the same key, or a spec kwarg that shadows a dataset column.
+    `no_reward`) when there is none; failed[i] when a component with a non-zero weight failed for sample i.
+    Configuration errors (`check_specs`) raise ConfigError before any reward runs.
     FatalRewardError propagates."""
-    resolved = [(spec, resolve_reward(spec.name)) for spec in specs]
-    keys = [spec.key for spec in specs]
-    duplicates = sorted({k for k in keys if keys.count(k) > 1})
-    if duplicates:
-        raise ValueError(f"reward components {duplicates} appear twice; give each a distinct RewardSpec.label")
-    for spec in specs:
-        clash = sorted(set(spec.kwargs) & set(columns))
-        if clash:
-            raise ValueError(f"reward {spec.key!r}: kwargs {clash} shadow dataset columns of the same name")
-
+    resolved = check_specs(specs, columns)
     n = len(completions)
     plans = []
     for spec, fn in resolved:
@@ -406,6 +364,7 @@ def compute_rewards(
 
     totals = [0.0] * n
     has_reward = [False] * n
+    failed = [False] * n  # a weighted component failed: the total is missing a term (a weight-0 one changes nothing)
     out = RewardOutput(total=None, components={}, failures={}, no_reward=0)  # type: ignore[arg-type]
     for spec in specs:
         result = scored[spec.key]
@@ -421,8 +380,11 @@ def compute_rewards(
             if value is not None:
                 totals[i] += spec.weight * value
                 has_reward[i] = True
+            elif spec.weight != 0 and result.row_failed(i):
+                failed[i] = True
     import torch
 
     out.total = torch.tensor(totals, dtype=torch.float32)
+    out.failed = torch.tensor(failed, dtype=torch.bool)
     out.no_reward = has_reward.count(False)
     return out

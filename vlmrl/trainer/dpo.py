@@ -13,9 +13,12 @@ from torch import Tensor
 
 from vlmrl.algorithms.losses import dpo_loss
 from vlmrl.config import Config
+from vlmrl.errors import DataError
 from vlmrl.models.forward import sequence_logprobs
 from vlmrl.models.policy import Policy
 from vlmrl.rollout.batch import make_prompts
+from vlmrl.trainer.distributed import DistInfo
+from vlmrl.trainer.guard import NonfiniteGuard, guarded_step
 from vlmrl.trainer.sft import target_ids
 
 
@@ -45,8 +48,9 @@ class OfflineDPO:
     def __init__(self, policy: Policy, reference: Policy, pairs: list[dict], cfg: Config):
         for s in pairs:
             if not isinstance(s.get("chosen"), str) or not isinstance(s.get("rejected"), str):
-                raise ValueError(f"preference sample {s.get('id')!r}: needs string 'chosen' and 'rejected' answers")
+                raise DataError(f"preference sample {s.get('id')!r}: needs string 'chosen' and 'rejected' answers")
         self.policy, self.pairs, self.cfg = policy, pairs, cfg
+        self.guard, self.steps = NonfiniteGuard(), 0  # optimizer steps skipped for a NaN/inf; steps taken
         with torch.no_grad():
             reference.model.eval()
             ref = [self._logprobs(reference, pairs[i:i + 64]) for i in range(0, len(pairs), 64)]
@@ -63,7 +67,9 @@ class OfflineDPO:
         return logp[:len(pairs)], logp[len(pairs):]
 
     def step(self, rows: list[int], optimizer: torch.optim.Optimizer, scheduler) -> dict[str, float]:
-        algo = self.cfg.algorithm
+        """One optimizer step on the pairs `rows` (guarded: a non-finite loss or gradient norm is skipped and
+        counted; the schedule advances only after a step)."""
+        algo, t = self.cfg.algorithm, self.cfg.trainer
         optimizer.zero_grad(set_to_none=True)
         chosen, rejected = self._logprobs(self.policy, [self.pairs[i] for i in rows])
         idx = torch.tensor(rows)
@@ -72,8 +78,11 @@ class OfflineDPO:
         loss = loss.mean()
         loss.backward()
         params = [p for p in self.policy.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.trainer.max_grad_norm)
-        optimizer.step()
-        scheduler.step()
+        self.steps += 1
+        out = guarded_step([(optimizer, params)], loss.item(), t.max_grad_norm, self.guard, DistInfo(), self.steps,
+                           t.max_nonfinite_steps)
+        if out.stepped[0]:
+            scheduler.step()
         return {"loss": loss.item(), "dpo/margin": margin.mean().item(), "dpo/accuracy": (margin > 0).float().mean()
-                .item(), "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0]}
+                .item(), "grad_norm": out.norms[0], "optimizer_steps": float(out.stepped[0]),
+                "nonfinite_steps": float(self.guard.total), "lr": scheduler.get_last_lr()[0]}

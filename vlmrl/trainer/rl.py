@@ -22,7 +22,7 @@ from vlmrl.models.scoring import logprob_gap, score_batch
 from vlmrl.rewards import RewardOutput, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import Rollout, concat_rollouts, generate
-from vlmrl.trainer.distributed import gathered
+from vlmrl.trainer.distributed import all_sum, gathered
 from vlmrl.trainer.types import StepContext, Trajectories
 from vlmrl.trainer.update import update
 
@@ -44,6 +44,14 @@ class Batch:
     columns: dict[str, list]
     baseline_rewards: Tensor | None = None  # ReMax: reward of the prompt's greedy answer, per row
     stats: dict[str, float] = field(default_factory=dict)
+    greedy: Rollout | None = None  # ReMax: the greedy answer of each prompt (one row per prompt)
+    baseline_scored: Tensor | None = None  # ReMax, per row: the greedy answer's reward did not fail
+
+    def scored(self) -> Tensor:
+        """bool [N]: rows whose reward (and, for ReMax, whose baseline) could be computed; a failed one (a judge
+        timeout, an exception in a reward) trains nothing."""
+        scored = self.rewards.scored()
+        return scored if self.baseline_scored is None else scored & self.baseline_scored
 
 
 # -- Stage I: collect ------------------------------------------------------------------------------------------------
@@ -67,7 +75,8 @@ def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None
 
 # -- Stage II: score -------------------------------------------------------------------------------------------------
 def score(ctx: StepContext, samples: list[dict], rollout: Rollout) -> tuple[RewardOutput, dict[str, list]]:
-    """Every reward function on every answer; failures become None and are counted, never raised."""
+    """Every reward function on every answer; failures are marked (`RewardOutput.failed`) and counted, never
+    raised, and never scored as a low reward."""
     columns = reward_columns(samples, rollout.prompt_index)
     columns["completion_truncated"] = rollout.truncated.tolist()
     columns["completion_lengths"] = rollout.lengths.tolist()
@@ -77,11 +86,13 @@ def score(ctx: StepContext, samples: list[dict], rollout: Rollout) -> tuple[Rewa
 def collect_and_score(ctx: StepContext, samples: list[dict], round_index: int = 0) -> Batch:
     prompts, rollout = collect(ctx, samples, round_index=round_index)
     rewards, columns = score(ctx, samples, rollout)
-    baseline = None
+    batch = Batch(samples, prompts, rollout, rewards, columns)
     if ctx.algorithm.advantage == "remax":  # ReMax's baseline: the reward of the greedy answer to the same prompt
-        _, greedy = collect(ctx, samples, group_size=1, temperature=0.0)
-        baseline = score(ctx, samples, greedy)[0].total[rollout.prompt_index]
-    return Batch(samples, prompts, rollout, rewards, columns, baseline)
+        _, batch.greedy = collect(ctx, samples, group_size=1, temperature=0.0)
+        greedy_rewards = score(ctx, samples, batch.greedy)[0]
+        batch.baseline_rewards = greedy_rewards.total[rollout.prompt_index]
+        batch.baseline_scored = greedy_rewards.scored()[rollout.prompt_index]
+    return batch
 
 
 def keep_groups(batch: Batch, keep: Tensor, group_size: int) -> Batch:
@@ -90,31 +101,37 @@ def keep_groups(batch: Batch, keep: Tensor, group_size: int) -> Batch:
     rows = (prompts_kept[:, None] * group_size + torch.arange(group_size)).flatten()
     new_index = torch.arange(len(prompts_kept)).repeat_interleave(group_size)
     rewards = batch.rewards.select(rows.tolist())
+    greedy = batch.greedy
     return Batch([batch.samples[i] for i in prompts_kept.tolist()], batch.prompts.subset(prompts_kept.tolist()),
                  batch.rollout.select(rows, new_index), rewards,
                  {k: [v[i] for i in rows.tolist()] for k, v in batch.columns.items()},
-                 None if batch.baseline_rewards is None else batch.baseline_rewards[rows], batch.stats)
+                 None if batch.baseline_rewards is None else batch.baseline_rewards[rows], batch.stats,
+                 None if greedy is None else greedy.select(prompts_kept, torch.arange(len(prompts_kept))),
+                 None if batch.baseline_scored is None else batch.baseline_scored[rows])
 
 
 def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
     rewards = RewardOutput.concat([b.rewards for b in batches])
-    baselines = [b.baseline_rewards for b in batches]
+    remax = batches[0].greedy is not None
     return Batch([s for b in batches for s in b.samples],
                  concat_prompt_batches([b.prompts for b in batches], pad_token_id),
                  concat_rollouts([b.rollout for b in batches], pad_token_id), rewards,
                  {k: [v for b in batches for v in b.columns[k]] for k in batches[0].columns},
-                 None if baselines[0] is None else torch.cat(baselines), batches[0].stats)
+                 torch.cat([b.baseline_rewards for b in batches]) if remax else None, batches[0].stats,
+                 concat_rollouts([b.greedy for b in batches], pad_token_id) if remax else None,
+                 torch.cat([b.baseline_scored for b in batches]) if remax else None)
 
 
 def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[dict]]) -> Batch:
     """DAPO's dynamic sampling: keep groups whose rewards differ; sample more prompts (up to max_resample_rounds
-    extra generation calls) until prompts_per_step such groups are found; use what was found if the cap is hit."""
+    extra generation calls) until prompts_per_step such groups are found; use what was found if the cap is hit.
+    Only scored answers count: a failed reward is no difference between answers."""
     g, want = ctx.rollout.group_size, ctx.rollout.prompts_per_step
     kept, found, rounds, generated = [], 0, 0, 0
     batch = first
     while True:
         generated += len(batch.samples)
-        keep = nonzero_variance_groups(batch.rewards.total, g)
+        keep = nonzero_variance_groups(batch.rewards.total, g, scored=batch.scored())
         if keep.any():
             kept.append(keep_groups(batch, keep, g))
             found += int(keep.sum())
@@ -139,13 +156,18 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     """Old log-probs (recomputed when the batch is reused; when it is used once the update's own forward gives
     them), reference log-probs and the per-token KL when a reference exists, critic values for gae, then advantages
     by the named estimator. Every pass scores the batch in the update's chunks (`score_batch`), with full parameters
-    under FSDP2 (the reference of a LoRA policy is the policy itself, adapters disabled)."""
+    under FSDP2 (the reference of a LoRA policy is the policy itself, adapters disabled).
+
+    Rows whose reward failed (`Batch.scored`) get advantage 0, no loss and no place in any group or batch statistic.
+    With `kl_in: reward`, -beta * KL is folded into the rewards: per token for reinforce_pp and gae, summed over the
+    answer for the sequence-level estimators, and for ReMax into its greedy baseline too, so that an answer equal to
+    the greedy one has advantage 0 (k1 is the estimator whose score-function gradient is the KL's; see kl.py)."""
     algo, rollout, temp = ctx.algorithm, batch.rollout, ctx.rollout.temperature
     mask = rollout.completion_mask
     args = (batch.prompts, rollout.prompt_index, rollout.completion_ids, mask, temp)
     chunks = {"micro_batch": ctx.trainer.micro_batch, "micro_batch_tokens": ctx.trainer.micro_batch_tokens}
     reward_kl = algo.kl_in == "reward" and algo.beta > 0 and ctx.reference is not None
-    old = ref = values = policy_logprobs = None
+    old = ref = values = policy_logprobs = greedy_kl = None
     ctx.policy.model.eval()
     with gathered(ctx.forward):
         if not ctx.batch_used_once or reward_kl:  # the policy's log-probs before the update
@@ -156,19 +178,37 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
             ref = ctx.reference.logprobs(*args, **chunks)
         if ctx.critic is not None:
             values = ctx.critic.values(*args, **chunks)
+        if reward_kl and batch.greedy is not None:  # ReMax: the greedy baseline's own KL, summed over its tokens
+            g = batch.greedy
+            gargs = (batch.prompts, g.prompt_index, g.completion_ids, g.completion_mask, temp)
+            greedy_kl = (kl_estimate(score_batch(ctx.policy, *gargs, **chunks).logprobs,
+                                     ctx.reference.logprobs(*gargs, **chunks), algo.kl_estimator)
+                         * g.completion_mask).sum(-1)
     ctx.policy.model.train()
-    rewards = batch.rewards.total
+    rewards = batch.rewards.total.to(mask.device)
+    baseline = None if batch.baseline_rewards is None else batch.baseline_rewards.to(mask.device)
+    scored = batch.scored().to(mask.device)
     kl = kl_estimate(policy_logprobs, ref, algo.kl_estimator) * mask if reward_kl else None
     reward_kl_beta = algo.beta if reward_kl else 0.0
     if reward_kl_beta and algo.advantage in ("grpo", "rloo", "remax"):  # sequence-level estimators: fold sum_t KL
         rewards = rewards - reward_kl_beta * kl.sum(-1)
+        if greedy_kl is not None:
+            baseline = baseline - reward_kl_beta * greedy_kl[rollout.prompt_index]
     adv = ADVANTAGES[algo.advantage](
         rewards=rewards, group_size=ctx.rollout.group_size, scale=algo.advantage_scale, mask=mask, kl=kl,
         beta=reward_kl_beta, gamma=algo.gamma, lam=algo.lam, values=values, baseline=algo.reinforce_pp_baseline,
-        baseline_rewards=batch.baseline_rewards)
-    loss_mask = mask * (~rollout.truncated).long()[:, None] if algo.overlong_filter else mask
+        baseline_rewards=baseline, scored=scored, reduce=rank_sum(ctx))
+    loss_mask = mask * (~rollout.truncated).to(mask.device).long()[:, None] if algo.overlong_filter else mask
+    loss_mask = loss_mask * scored.long()[:, None]  # a failed reward: no loss (its advantage is 0 too)
     return Trajectories(rollout.prompt_index, rollout.completion_ids, loss_mask, old, ref, adv.advantages, rewards,
-                        values, adv.returns, rollout.logprobs)
+                        values, adv.returns, rollout.logprobs, scored)
+
+
+def rank_sum(ctx: StepContext) -> Callable[[Tensor], Tensor] | None:
+    """Sum over the data-parallel ranks, for the advantages' batch statistics (None in one process)."""
+    if not ctx.dist.active:
+        return None
+    return lambda t: all_sum(t, ctx.dist).to(dtype=t.dtype, device=t.device)
 
 
 # -- Stage IV: update -> vlmrl/trainer/update.py ---------------------------------------------------------------------
@@ -200,7 +240,7 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
     metrics.update(batch.stats)
     metrics.update({
         "accuracy": sum(correct) / len(correct),
-        "zero_variance_groups": zero_variance_fraction(first.rewards.total, g),
+        "zero_variance_groups": zero_variance_fraction(first.rewards.total, g, scored=first.scored()),
         "advantage_abs_mean": traj.advantages.abs().mean().item(),
         "response_length": rollout.lengths.float().mean().item(),
         "truncated_share": rollout.truncated.float().mean().item(),

@@ -15,6 +15,7 @@ from vlmrl.models.policy import Policy
 from vlmrl.models.reference import Reference
 from vlmrl.rewards import RewardSpec
 from vlmrl.trainer.distributed import DistInfo, TrainingForward
+from vlmrl.trainer.guard import NonfiniteGuard
 
 
 @dataclass
@@ -38,6 +39,7 @@ class StepContext:
     dist: DistInfo = field(default_factory=DistInfo)
     forward: torch.nn.Module | None = None  # the training forward, wrapped by DDP/FSDP2 when distributed
     engine: object | None = None  # rollout.engine=vllm: vlmrl.rollout.vllm_engine.VLLMEngine (None: built-in sampler)
+    guard: NonfiniteGuard = field(default_factory=NonfiniteGuard)  # optimizer steps skipped for a NaN/inf, run-long
 
     def __post_init__(self):
         if self.forward is None:
@@ -64,3 +66,6 @@ class Trajectories(NamedTuple):
     old_values: Tensor | None = None  # [N, T] critic values at rollout time (gae)
     returns: Tensor | None = None  # [N, T] value targets (gae)
     sample_logprobs: Tensor | None = None  # [N, T] the sampler's log-probs: a diagnostic (rollout/logprob_gap_*)
+    # [N] bool: rows whose reward was computed (a failed reward, e.g. a judge timeout, is False: advantage 0, no loss,
+    # no DPO pair); None: every row
+    scored: Tensor | None = None

@@ -1,8 +1,14 @@
 """Stage IV, update: the policy-gradient update (with optional critic) and online DPO.
 
-`ppo_epochs` passes over the rollout batch, each split into `minibatches` (one optimizer step each) and chunks of at
-most `micro_batch` rows and `micro_batch_tokens` padded tokens (gradient accumulation: memory only; every chunk's loss
-is normalised by its whole minibatch, so the gradient does not depend on the chunking).
+`ppo_epochs` passes over the rollout batch, each split into exactly `minibatches` minibatches (sizes differ by at
+most one row; one optimizer step each) and chunks of at most `micro_batch` rows and `micro_batch_tokens` padded
+tokens (gradient accumulation: memory only; every chunk's loss is normalised by its whole minibatch, so the gradient
+does not depend on the chunking).
+
+Every optimizer step goes through `guarded_step` (vlmrl/trainer/guard.py): a non-finite loss or gradient norm skips
+it on every rank and is counted (`nonfinite_steps`, over the run), `trainer.max_nonfinite_steps` in a row stop the
+run, and an all-zero policy gradient is not stepped. The learning-rate schedule advances once per update in which the
+policy took at least one optimizer step (`optimizer_steps` counts them), never for a skipped one.
 """
 
 from __future__ import annotations
@@ -10,18 +16,24 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from vlmrl.algorithms.advantages import nonzero_variance_groups
 from vlmrl.algorithms.kl import kl_estimate
 from vlmrl.algorithms.losses import POLICY_LOSSES, aggregate, dpo_loss, masked_mean, value_loss
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.scoring import logprob_gap, micro_batches, row_lengths
 from vlmrl.trainer.distributed import all_max, all_sum, no_sync
+from vlmrl.trainer.guard import guarded_step
 from vlmrl.trainer.types import StepContext, Trajectories
 
 
-def _clip_and_step(params: list, optimizer: torch.optim.Optimizer, max_norm: float) -> float:
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    optimizer.step()
-    return float(norm)
+def _finish(ctx: StepContext, metrics: dict[str, float], policy_steps: int) -> dict[str, float]:
+    """Advance the learning-rate schedule when the policy moved; add the step-count metrics and the lr."""
+    if policy_steps:
+        ctx.scheduler.step()
+    metrics["optimizer_steps"] = float(policy_steps)
+    metrics["nonfinite_steps"] = float(ctx.guard.total)
+    metrics["lr"] = ctx.scheduler.get_last_lr()[0]
+    return metrics
 
 
 def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[str, float]:
@@ -32,10 +44,10 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
     warmup = critic is not None and ctx.step <= algo.critic_warmup_steps  # train only the critic
     policy_params = [p for p in ctx.policy.model.parameters() if p.requires_grad]
     sums: dict[str, float] = {}
-    updates, gap_sum, gap_max, gap_count = 0, 0.0, 0.0, 0
+    updates, policy_steps, finite_norms, gap_sum, gap_max, gap_count = 0, 0, 0, 0.0, 0.0, 0
     for epoch in range(cfg.ppo_epochs):
         order = torch.randperm(n, generator=ctx.generator) if cfg.minibatches > 1 else torch.arange(n)
-        for minibatch in order.chunk(cfg.minibatches):
+        for minibatch in order.tensor_split(cfg.minibatches):  # exactly `minibatches` (chunk() may give fewer)
             # normalise by the whole minibatch across ranks; DDP/FSDP2 average gradients over ranks, hence / world
             world = ctx.dist.world
             mb_tokens = (all_sum(traj.loss_mask[minibatch].sum(), ctx.dist) / world).clamp(min=1).float()
@@ -44,7 +56,9 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
             if critic is not None:
                 critic.optimizer.zero_grad(set_to_none=True)
             lengths = row_tokens(prompts, traj) if cfg.micro_batch_tokens else None
-            chunks = padded_chunks(micro_batches(minibatch, lengths, cfg.micro_batch, cfg.micro_batch_tokens), ctx)
+            chunks = [c for c in micro_batches(minibatch, lengths, cfg.micro_batch, cfg.micro_batch_tokens) if len(c)]
+            chunks = padded_chunks(chunks, ctx)
+            mb_loss = 0.0
             for i, rows in enumerate(chunks):
                 with no_sync(ctx.forward, last=i == len(chunks) - 1):
                     if rows is None:  # this rank has no rows left: a zero-weight forward keeps the ranks in step
@@ -52,26 +66,32 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
                         continue
                     loss, parts = micro_batch_loss(ctx, prompts, traj, rows, mb_tokens, mb_seqs, warmup)
                     loss.backward()
+                mb_loss += parts["loss"]
                 gap = parts.pop("_gap", None)
                 if gap is not None and epoch == 0 and updates == 0:  # same weights as the sampler's
                     gap_sum, gap_max, gap_count = gap_sum + gap[0], max(gap_max, gap[1]), gap_count + gap[2]
                 for key, value in parts.items():  # losses already carry their share; means are weighted here
                     weight = 1.0 if key in ("loss", "value_loss") else len(rows) / len(minibatch)
                     sums[key] = sums.get(key, 0.0) + value * weight
+            groups = [] if warmup else [(ctx.optimizer, policy_params)]
             if critic is not None:
-                critic_params = [p for group in critic.optimizer.param_groups for p in group["params"]]
-                _clip_and_step(critic_params, critic.optimizer, cfg.max_grad_norm)
+                groups.append((critic.optimizer, [p for group in critic.optimizer.param_groups
+                                                  for p in group["params"]]))
+            step = guarded_step(groups, mb_loss, cfg.max_grad_norm, ctx.guard, ctx.dist, ctx.step,
+                                cfg.max_nonfinite_steps)
             if not warmup:
-                sums["grad_norm"] = sums.get("grad_norm", 0.0) + _clip_and_step(policy_params, ctx.optimizer,
-                                                                                cfg.max_grad_norm)
+                policy_steps += step.stepped[0]
+                if step.finite:  # (a skipped non-finite step's norm is not averaged into the curve)
+                    sums["grad_norm"] = sums.get("grad_norm", 0.0) + step.norms[0]
+                    finite_norms += 1
             updates += 1
-    ctx.scheduler.step()
-    metrics = {k: v / updates for k, v in sums.items()}
-    metrics["lr"] = ctx.scheduler.get_last_lr()[0]
+    metrics = {k: v / updates for k, v in sums.items() if k != "grad_norm"}
+    if finite_norms:
+        metrics["grad_norm"] = sums["grad_norm"] / finite_norms
     if traj.old_logprobs is None and traj.sample_logprobs is not None:  # the sampler vs the update's own forward
         metrics["rollout/logprob_gap_mean"] = gap_sum / max(gap_count, 1)
         metrics["rollout/logprob_gap_max"] = gap_max
-    return metrics
+    return _finish(ctx, metrics, policy_steps)
 
 
 def idle_forward(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> None:
@@ -142,14 +162,16 @@ def micro_batch_loss(ctx: StepContext, prompts: PromptBatch, traj: Trajectories,
     return loss, parts
 
 
-def dpo_pairs(rewards: Tensor, group_size: int) -> tuple[Tensor, Tensor]:
-    """Online DPO pairs: in each group whose rewards differ, the best answer (chosen) and the worst (rejected);
-    ties go to the earliest row. Returns row indices (chosen [P], rejected [P])."""
+def dpo_pairs(rewards: Tensor, group_size: int, scored: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Online DPO pairs: in each group whose scored rewards differ, the best scored answer (chosen) and the worst
+    (rejected); ties go to the earliest row; an answer whose reward failed is never in a pair. Returns row indices
+    (chosen [P], rejected [P])."""
     groups = rewards.view(-1, group_size)
-    differ = (groups.max(1).values - groups.min(1).values) > 1e-8
-    base = torch.arange(groups.shape[0]) * group_size
-    chosen = (base + groups.argmax(1))[differ]
-    rejected = (base + groups.argmin(1))[differ]
+    keep = torch.ones_like(groups, dtype=torch.bool) if scored is None else scored.to(groups.device).view_as(groups)
+    differ = nonzero_variance_groups(rewards, group_size, scored=scored)
+    base = torch.arange(groups.shape[0], device=groups.device) * group_size
+    chosen = (base + groups.masked_fill(~keep, float("-inf")).argmax(1))[differ]
+    rejected = (base + groups.masked_fill(~keep, float("inf")).argmin(1))[differ]
     return chosen, rejected
 
 
@@ -159,12 +181,11 @@ def update_online_dpo(ctx: StepContext, prompts: PromptBatch, traj: Trajectories
     The loss is the mean over the step's pairs on all ranks. Under torchrun a rank whose groups gave no pair still
     runs one forward with a zero loss, so that DDP/FSDP2's gradient synchronisation sees every rank."""
     algo, cfg = ctx.algorithm, ctx.trainer
-    chosen, rejected = dpo_pairs(traj.rewards, ctx.rollout.group_size)
+    chosen, rejected = dpo_pairs(traj.rewards, ctx.rollout.group_size, traj.scored)
     metrics = {"dpo/pairs": float(len(chosen))}
     pairs = float(all_sum(len(chosen), ctx.dist))  # the step's pairs on all ranks
-    if pairs == 0:
-        ctx.scheduler.step()
-        return {**metrics, "loss": 0.0, "lr": ctx.scheduler.get_last_lr()[0]}
+    if pairs == 0:  # nothing to learn from: no optimizer step, and the schedule waits
+        return _finish(ctx, {**metrics, "loss": 0.0}, 0)
     ctx.optimizer.zero_grad(set_to_none=True)
     per_rank = pairs / ctx.dist.world  # DDP/FSDP2 average gradients over ranks
     total, margins, micro = 0.0, [], cfg.micro_batch or max(len(chosen), 1)
@@ -190,10 +211,10 @@ def update_online_dpo(ctx: StepContext, prompts: PromptBatch, traj: Trajectories
                 margins.append(margin)
             loss.backward()
         total += loss.item()  # (over ranks, reduce_metrics' mean of these is the mean over all pairs)
-    grad_norm = _clip_and_step([p for p in ctx.policy.model.parameters() if p.requires_grad], ctx.optimizer,
-                               cfg.max_grad_norm)
-    ctx.scheduler.step()
+    step = guarded_step([(ctx.optimizer, [p for p in ctx.policy.model.parameters() if p.requires_grad])], total,
+                        cfg.max_grad_norm, ctx.guard, ctx.dist, ctx.step, cfg.max_nonfinite_steps)
     margin = torch.cat(margins) if margins else torch.zeros(0)
     # sums scaled so that the mean over ranks (reduce_metrics) is the mean over all of the step's pairs
-    return {**metrics, "loss": total, "grad_norm": grad_norm, "lr": ctx.scheduler.get_last_lr()[0],
-            "dpo/margin": margin.sum().item() / per_rank, "dpo/accuracy": (margin > 0).sum().item() / per_rank}
+    metrics.update({"loss": total, "grad_norm": step.norms[0], "dpo/margin": margin.sum().item() / per_rank,
+                    "dpo/accuracy": (margin > 0).sum().item() / per_rank})
+    return _finish(ctx, metrics, int(step.stepped[0]))
