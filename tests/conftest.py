@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 
 from vlmrl.config import TinyModelConfig
 from vlmrl.data import make_task, vocabulary_texts
 from vlmrl.models import build_tiny_vlm, load_policy
+
+# property tests draw the same examples on every run (CI stays deterministic); HYPOTHESIS_PROFILE=explore draws
+# new ones each run, to look for inputs nobody has tried
+settings.register_profile("ci", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TEST_MODEL = TinyModelConfig(hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
                            vision_depth=1, vision_dim=32, vision_heads=2, vocab_size=400,

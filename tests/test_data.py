@@ -379,12 +379,13 @@ def test_build_dataset_from_task_file_and_list_specs(tmp_path):
         [{"task": "digits_sum", "n": 2}, file_spec, {"task": "shapes_box", "n": 1}], "train", 0
     )
     assert [s["task"] for s in samples] == ["digits_sum", "digits_sum", "mine", "shapes_box"]
-    assert (report.loaded, report.skipped) == (2, 1)
+    assert (report.loaded, report.skipped) == (1, 0)  # n=1: reading stopped at line 1, "bad line" never read
 
 
 SPEC_ERRORS = [
     ({"task": "shapes_count", "n": 3, "colour": 1}, r"unknown key 'colour'; allowed keys: \['task', 'n', 'seed', 'c"),
-    ({"path": "x.jsonl", "limit": 3}, r"unknown key 'limit'; allowed keys: \['path', 'on_error', 'image_root', 'n'\]"),
+    ({"path": "x.jsonl", "limit": 3}, r"unknown key 'limit'; allowed keys: \['path', 'on_error', 'image_root', 'n', "),
+    ({"path": "x.jsonl", "check_images": "all"}, r"check_images must be one of \['exists', 'header', 'decode'\]"),
     ({"n": 3}, "exactly one of 'task'"),
     ({"task": "shapes_count"}, "needs 'n'"),
     ({"path": "x.jsonl", "on_error": "ignore"}, "on_error"),

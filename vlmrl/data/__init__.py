@@ -1,10 +1,12 @@
 """Data for vlmrl: the sample contract, built-in synthetic tasks, and user files (JSONL, parquet, HF datasets).
 
-A sample is a plain dict with ``id``, ``images`` (RGB PIL images), ``problem``, ``solution``, ``answer_type``
-(``number``/``text``/``box``), ``task`` and any extra columns; see ``vlmrl.data.sample``.
+A sample is a plain dict with ``id``, ``images`` (RGB PIL images; for user files a ``LazyImages`` that decodes them on
+use), ``problem``, ``solution``, ``answer_type`` (``number``/``text``/``box``), ``task`` and any extra columns; see
+``vlmrl.data.sample``.
 """
 
 from .files import load_file
+from .images import IMAGE_CACHE, LazyImages
 from .registry import TASKS, Task, build_dataset, make_task, vocabulary_texts
 from .sample import (
     ANSWER_TYPES,
@@ -24,6 +26,8 @@ __all__ = [
     "SPLITS",
     "TASKS",
     "DataError",
+    "IMAGE_CACHE",
+    "LazyImages",
     "LoadReport",
     "Sample",
     "Task",

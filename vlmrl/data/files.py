@@ -5,19 +5,26 @@ Rows follow the Visual-RFT format ``{"image": "a.png", "problem": ..., "solution
 text-only row. Parquet and ``datasets`` image columns may also hold HF-style ``{"bytes", "path"}`` structs, raw bytes
 or PIL images. Other keys pass through unchanged. Every bad row is either an error naming file, line/row and what to
 do (``on_error="raise"``), or skipped and counted in the ``LoadReport`` (``on_error="skip"``); never silently dropped.
+
+Images are not decoded while loading: a sample's ``images`` is a ``LazyImages`` holding absolute paths or encoded bytes
+that decodes each image when it is used, through a bounded cache (``vlmrl.data.images``). Loading checks that each
+image exists and that its header is an image (``check_images``); an image that still fails to decode stops the run
+with a DataError naming its file and line when it is first used. Reading stops after ``n`` good rows.
 """
 
 from __future__ import annotations
 
-import io
 import json
+import math
+import os
 import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
+from .images import CHECKS, LazyImages, Ref, check_image
 from .sample import ANSWER_TYPES, DataError, LoadReport, Sample, format_box, format_number, infer_answer_type
 
 ON_ERROR = ("raise", "skip")
@@ -33,7 +40,7 @@ class _RowError(Exception):
 
 def load_file(
     path: str | Path, on_error: str = "raise", image_root: str | Path | None = None,
-    required: tuple[str, ...] = ("problem", "solution"),
+    required: tuple[str, ...] = ("problem", "solution"), n: int | None = None, check_images: str = "header",
 ) -> tuple[list[Sample], LoadReport]:
     """Load a data file into samples, dispatching on its suffix (``.jsonl``/``.json``, ``.parquet``) or on a folder
     written by ``datasets.Dataset.save_to_disk``.
@@ -43,9 +50,16 @@ def load_file(
     (n: the 1-based line for JSON lines, the 0-based row for parquet and ``datasets``, as in ``table[n]``).
     ``required`` names the fields every row must have; a ``problem`` or ``solution`` left out of it may be absent and
     becomes ``""`` (image-caption rows ``{"image", "caption"}`` for ReCLIP pass ``required=("caption",)``).
+    ``n``: stop reading after n good rows (the report counts only the rows read); None reads the whole file.
+    ``check_images``: what loading checks of each image, "exists" (the file is there), "header" (also, its header is
+    an image's; the default, cheap) or "decode" (also, it decodes; slow, nothing is kept). Images decode on use.
     """
     if on_error not in ON_ERROR:
         raise DataError(f"on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise DataError(f"{path}: n must be a non-negative int, got {n!r}")
+    if check_images not in CHECKS:
+        raise DataError(f"check_images must be one of {list(CHECKS)}, got {check_images!r}")
     file = Path(path)
     if not file.exists():
         raise DataError(f"{path}: no such file or folder; check the path (relative paths start at {Path.cwd()})")
@@ -61,12 +75,18 @@ def load_file(
             f"{path}: unsupported file type {file.suffix!r}; use .jsonl/.json (JSON lines), .parquet, "
             "or a folder saved with datasets' save_to_disk"
         )
-    return _collect(rows, str(path), file.stem, base, on_error, required)
+    if n == 0:
+        return [], LoadReport(path=str(path))
+    try:
+        return _collect(rows, str(path), file.stem, base.absolute(), on_error, required, n, check_images)
+    finally:
+        rows.close()  # n reached: the file is closed, the rest never read
 
 
 def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str,
-             required: tuple[str, ...] = ("problem", "solution")) -> tuple[list[Sample], LoadReport]:
-    """Turn raw rows into samples, raising or skipping-and-counting bad ones; ids must be unique."""
+             required: tuple[str, ...] = ("problem", "solution"), n: int | None = None,
+             check_images: str = "header") -> tuple[list[Sample], LoadReport]:
+    """Turn raw rows into samples, raising or skipping-and-counting bad ones, until ``n`` good ones; unique ids."""
     report = LoadReport(path=path)
     samples: list[Sample] = []
     seen: dict[str, str] = {}
@@ -74,7 +94,7 @@ def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str,
     for where, default_id, fetch in rows:
         total += 1
         try:
-            sample = _row_to_sample(fetch(), default_id, stem, base, required)
+            sample = _row_to_sample(fetch(), where, default_id, stem, base, required, check_images)
             if sample["id"] in seen:
                 raise _RowError(f"id {sample['id']!r} already used at {seen[sample['id']]}; ids must be unique")
         except _RowError as error:
@@ -86,6 +106,8 @@ def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str,
             continue
         seen[sample["id"]] = where
         samples.append(sample)
+        if n is not None and len(samples) >= n:
+            break
     report.loaded = len(samples)
     if total == 0:
         raise DataError(f"{path}: no rows; a dataset needs at least one row with 'problem' and 'solution'")
@@ -95,9 +117,9 @@ def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str,
     return samples, report
 
 
-def _row_to_sample(row: Any, default_id: str, stem: str, base: Path,
-                   required: tuple[str, ...] = ("problem", "solution")) -> Sample:
-    """One raw row (a mapping) to a sample: check fields, normalise the solution, load images, infer answer_type."""
+def _row_to_sample(row: Any, where: str, default_id: str, stem: str, base: Path,
+                   required: tuple[str, ...] = ("problem", "solution"), check_images: str = "header") -> Sample:
+    """One raw row (a mapping) to a sample: check fields, normalise the solution, check images, infer answer_type."""
     if not isinstance(row, dict):
         raise _RowError(f'expected a JSON object like {{"problem": ..., "solution": ...}}, got {type(row).__name__}')
     if row.get("problem") is None and isinstance(row.get("prompt"), str) and row.get("chosen") is not None:
@@ -117,7 +139,7 @@ def _row_to_sample(row: Any, default_id: str, stem: str, base: Path,
     if "image" in row and "images" in row and row["image"] is not None and row["images"] is not None:
         raise _RowError("has both 'image' and 'images'; give the image(s) in one of them")
     refs = row.get("image") if row.get("image") is not None else row.get("images")
-    images = [_open_image(ref, base) for ref in _as_list(refs)]
+    images = LazyImages([_image_ref(ref, base, check_images) for ref in _as_list(refs)], where)
     answer_type = row.get("answer_type")
     if answer_type is None:
         answer_type = infer_answer_type(solution)
@@ -140,15 +162,26 @@ def _solution_text(value: Any) -> str:
     if isinstance(value, bool):
         raise _RowError("'solution' must be a string, number or [x1, y1, x2, y2] box, got a boolean")
     if isinstance(value, (int, float)):
+        if not _finite(value):
+            raise _RowError(f"'solution' must be a finite number, got {value!r:.40}")
         return format_number(value)
     if isinstance(value, (list, tuple)):
         if len(value) == 4 and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+            if not all(_finite(v) for v in value):
+                raise _RowError(f"'solution' box must hold 4 finite numbers, got {value!r:.80}")
             return format_box(value)
         raise _RowError(f"'solution' list must be a box of 4 numbers [x1, y1, x2, y2], got {value!r}")
     if not isinstance(value, str):
         raise _RowError(f"'solution' must be a string, number or box, got {type(value).__name__}")
     wrapped = _WRAPPED_ANSWER.fullmatch(value)
     return wrapped.group(1).strip() if wrapped else value
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int beyond float's range
+        return False
 
 
 def _as_list(refs: Any) -> list[Any]:
@@ -159,37 +192,40 @@ def _as_list(refs: Any) -> list[Any]:
     return [refs]
 
 
-def _open_image(ref: Any, base: Path) -> Image.Image:
-    """Load one image reference (path, HF ``{"bytes", "path"}`` struct, raw bytes or PIL image) as RGB."""
+def _image_ref(ref: Any, base: Path, check: str) -> Ref:
+    """One image reference (path, HF ``{"bytes", "path"}`` struct, raw bytes or PIL image) checked at level
+    ``check`` and kept undecoded: an absolute path, the bytes, or the (RGB) image itself."""
     if isinstance(ref, Image.Image):
-        return ref.convert("RGB")
+        return ref if ref.mode == "RGB" else ref.convert("RGB")  # already in memory
     if isinstance(ref, dict):
         if ref.get("bytes") is not None:
-            return _decode(ref["bytes"], f"image bytes of {ref.get('path') or 'an image struct'!r}")
+            if not isinstance(ref["bytes"], (bytes, bytearray, memoryview)):
+                raise _RowError(f"image struct 'bytes' must be bytes, got {type(ref['bytes']).__name__}")
+            what = f"image bytes of {ref.get('path') or 'an image struct'!r}"
+            return _checked_bytes(bytes(ref["bytes"]), what, check)
         if ref.get("path") is not None:
-            return _open_image(str(ref["path"]), base)
+            return _image_ref(str(ref["path"]), base, check)
         raise _RowError("image struct has neither 'bytes' nor 'path'")
     if isinstance(ref, (bytes, bytearray, memoryview)):
-        return _decode(bytes(ref), "image bytes")
+        return _checked_bytes(bytes(ref), "image bytes", check)
     if not isinstance(ref, str):
         raise _RowError(f"image must be a path string (or a list of them), got {type(ref).__name__}")
-    file = Path(ref) if Path(ref).is_absolute() else base / ref
-    if not file.is_file():
-        relative = "" if Path(ref).is_absolute() else f" (relative to {base}/)"
+    absolute = os.path.isabs(ref)
+    file = ref if absolute else os.path.join(base, ref)
+    problem = check_image(file, check)
+    if problem == "not found":
+        relative = "" if absolute else f" (relative to {base}/)"
         raise _RowError(f"image {ref!r} not found{relative}; fix the path or pass image_root")
-    try:
-        with Image.open(file) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as error:
-        raise _RowError(f"image {ref!r} could not be decoded ({error}); re-save it as PNG or JPEG") from None
+    if problem:
+        raise _RowError(f"image {ref!r} {problem}; re-save it as PNG or JPEG")
+    return file
 
 
-def _decode(data: bytes, what: str) -> Image.Image:
-    try:
-        with Image.open(io.BytesIO(data)) as image:
-            return image.convert("RGB")
-    except (UnidentifiedImageError, OSError, ValueError) as error:
-        raise _RowError(f"{what} could not be decoded ({error}); store PNG or JPEG bytes") from None
+def _checked_bytes(data: bytes, what: str, check: str) -> bytes:
+    problem = check_image(data, check)
+    if problem:
+        raise _RowError(f"{what} {problem}; store PNG or JPEG bytes")
+    return data
 
 
 def _raiser(message: str) -> Callable[[], Any]:
@@ -200,36 +236,48 @@ def _raiser(message: str) -> Callable[[], Any]:
 
 
 def _json_rows(file: Path, path: str) -> RowSource:
-    """JSON lines (blank lines ignored); a ``.json`` file holding one array is read as its items."""
-    data = file.read_bytes()
-    if file.suffix.lower() == ".json" and data.lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"["):
-        try:
-            items = json.loads(data.decode("utf-8-sig"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise DataError(f"{path}: not valid JSON ({error}); write one JSON array or one object per line") from None
-        for number, item in enumerate(items, start=1):
-            yield f"{path} item {number}", f"{path}:{number}", (lambda item=item: item)
-        return
-    for number, raw in enumerate(data.split(b"\n"), start=1):
-        where = f"{path} line {number}"
-        try:
-            text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-        except UnicodeDecodeError:
-            yield where, f"{path}:{number}", _raiser("not UTF-8 text; save the file as UTF-8")
-            continue
-        if not text.strip():
-            continue
-        try:
-            row = json.loads(text)
-        except json.JSONDecodeError as error:
-            message = f"not valid JSON ({error.msg} at column {error.colno}); each line must be one JSON object"
-            yield where, f"{path}:{number}", _raiser(message)
-            continue
-        yield where, f"{path}:{number}", (lambda row=row: row)
+    """JSON lines (blank lines ignored), read line by line; a ``.json`` file holding one array is read as its items."""
+    if file.suffix.lower() == ".json":
+        with file.open("rb") as handle:
+            head = b""
+            while not head and (chunk := handle.read(4096)):
+                head = chunk.lstrip(b"\xef\xbb\xbf \t\r\n")
+            is_array = head.startswith(b"[")
+        if is_array:
+            try:
+                items = json.loads(file.read_bytes().decode("utf-8-sig"))
+            except (ValueError, RecursionError) as error:  # bad UTF-8, bad JSON, nesting or an int too deep/long
+                raise DataError(
+                    f"{path}: not valid JSON ({error}); write one JSON array or one object per line"
+                ) from None
+            for number, item in enumerate(items, start=1):
+                yield f"{path} item {number}", f"{path}:{number}", (lambda item=item: item)
+            return
+    with file.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            where = f"{path} line {number}"
+            try:
+                text = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError:
+                yield where, f"{path}:{number}", _raiser("not UTF-8 text; save the file as UTF-8")
+                continue
+            if not text.strip():
+                continue
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as error:
+                message = f"not valid JSON ({error.msg} at column {error.colno}); each line must be one JSON object"
+                yield where, f"{path}:{number}", _raiser(message)
+                continue
+            except (ValueError, RecursionError) as error:  # an int of over 4300 digits, nesting too deep
+                yield where, f"{path}:{number}", _raiser(f"not usable JSON ({str(error)[:100]}); each line must be "
+                                                         "one JSON object")
+                continue
+            yield where, f"{path}:{number}", (lambda row=row: row)
 
 
 def _parquet_rows(file: Path, path: str) -> RowSource:
-    """Rows of a parquet file, read in batches; numbered from 0 like the table's rows."""
+    """Rows of a parquet file, read in batches (only as many as are used); numbered from 0 like the table's rows."""
     try:
         import pyarrow.parquet as pq
     except ImportError:
@@ -239,14 +287,24 @@ def _parquet_rows(file: Path, path: str) -> RowSource:
     except Exception as error:  # pyarrow raises several types for a bad file
         raise DataError(f"{path}: not a readable parquet file ({error})") from None
     number = 0
-    for batch in parquet.iter_batches(batch_size=256):
-        for row in batch.to_pylist():
+    batches = parquet.iter_batches(batch_size=256)
+    while True:
+        try:
+            batch = next(batches, None)
+            rows = batch.to_pylist() if batch is not None else []
+        except Exception as error:  # a corrupt page: OSError, ArrowInvalid, ... (pyarrow's types vary)
+            raise DataError(f"{path}: unreadable after row {number - 1} ({error}); the file is damaged, "
+                            "write it again") from None
+        if batch is None:
+            return
+        for row in rows:
             yield f"{path} row {number}", f"{path}:{number}", (lambda row=row: row)
             number += 1
 
 
 def _dataset_rows(folder: Path, path: str) -> RowSource:
-    """Rows of a folder saved by ``datasets`` (``save_to_disk``); numbered from 0 like ``dataset[n]``."""
+    """Rows of a folder saved by ``datasets`` (``save_to_disk``); numbered from 0 like ``dataset[n]``. Image columns
+    are read undecoded (``datasets.Image(decode=False)``: ``{"bytes", "path"}``), so only used images decode."""
     try:
         import datasets
     except ImportError:
@@ -263,5 +321,27 @@ def _dataset_rows(folder: Path, path: str) -> RowSource:
     if isinstance(dataset, dict):  # a DatasetDict
         splits = list(dataset.keys())
         raise DataError(f"{path}: holds several splits {splits}; pass one split's folder, e.g. {path}/{splits[0]}")
+    image_type = getattr(datasets, "Image", None)
+    for name, feature in dict(getattr(dataset, "features", None) or {}).items():
+        if image_type is not None and isinstance(feature, image_type) and feature.decode:
+            dataset = dataset.cast_column(name, image_type(decode=False))
+        elif image_type is not None and _holds_images(feature, image_type):
+            dataset = dataset.cast_column(name, _undecoded(feature, image_type))
     for number, row in enumerate(dataset):
         yield f"{path} row {number}", f"{path}:{number}", (lambda row=row: row)
+
+
+def _holds_images(feature: Any, image_type: type) -> bool:
+    inner = feature[0] if isinstance(feature, list) and len(feature) == 1 else getattr(feature, "feature", None)
+    return isinstance(inner, image_type) and inner.decode
+
+
+def _undecoded(feature: Any, image_type: type) -> Any:
+    """A list-of-images feature (``[Image()]`` or ``Sequence(Image())``) with decoding turned off."""
+    if isinstance(feature, list):
+        return [image_type(decode=False)]
+    import copy
+
+    plain = copy.copy(feature)
+    plain.feature = image_type(decode=False)
+    return plain

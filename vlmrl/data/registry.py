@@ -3,7 +3,7 @@
 A spec is what a YAML recipe holds under a split, for example::
 
     train: {task: shapes_count, n: 300, target: shape}
-    test:  {path: data/test.jsonl, on_error: skip}
+    test:  {path: data/test.jsonl, on_error: skip, n: 500}    # reads the first 500 good rows only
     # or a list of such specs, concatenated in order
 
 Adding a task is a generator function ``(n, split, seed, **options) -> list[Sample]`` and one ``Task`` entry below.
@@ -19,6 +19,7 @@ from typing import Any
 
 from . import digits, shapes
 from .files import ON_ERROR, load_file
+from .images import CHECKS
 from .sample import DataError, LoadReport, Sample, format_box
 
 
@@ -48,7 +49,7 @@ TASKS: dict[str, Task] = {
 }
 
 TASK_SPEC_KEYS: tuple[str, ...] = ("task", "n", "seed")
-FILE_SPEC_KEYS: tuple[str, ...] = ("path", "on_error", "image_root", "n")
+FILE_SPEC_KEYS: tuple[str, ...] = ("path", "on_error", "image_root", "n", "check_images")
 
 
 def make_task(name: str, n: int, split: str, seed: int = 0, **options: Any) -> list[Sample]:
@@ -87,8 +88,9 @@ def build_dataset(spec: Any, split: str, seed: int, on_error: str = "raise") -> 
     """Samples for one split from a spec: ``{"task": ..., "n": ..., **options}``, ``{"path": ..., ...}`` or a list.
 
     Task specs may set their own ``seed`` (else ``seed`` is used). File specs ignore ``split`` (give each split its
-    own file); their ``n`` keeps the first n samples; their ``on_error`` defaults to ``on_error`` (the recipe's
-    ``data.on_error``). Returns the samples and the merged report of the files read
+    own file); their ``n`` keeps the first n good rows (reading stops there); their ``on_error`` defaults to
+    ``on_error`` (the recipe's ``data.on_error``); their ``check_images`` ("exists", "header" or "decode", see
+    ``load_file``) says how much of each image loading checks (images decode when used). Returns the samples and the merged report of the files read
     (None when the spec reads no file). Sample ids must be unique across the list.
     """
     specs = spec if isinstance(spec, list) else [spec]
@@ -134,13 +136,13 @@ def _build_one(spec: Any, split: str, seed: int, where: str, default_on_error: s
     on_error = spec.get("on_error", default_on_error)
     if on_error not in ON_ERROR:
         raise DataError(f"{where}: on_error must be one of {list(ON_ERROR)}, got {on_error!r}")
-    samples, report = load_file(spec["path"], on_error=on_error, image_root=spec.get("image_root"))
+    if spec.get("check_images", "header") not in CHECKS:
+        raise DataError(f"{where}: check_images must be one of {list(CHECKS)}, got {spec['check_images']!r}")
     limit = spec.get("n")
-    if limit is not None:
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
-            raise DataError(f"{where}: n must be a non-negative int, got {limit!r}")
-        samples = samples[:limit]
-    return samples, report
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+        raise DataError(f"{where}: n must be a non-negative int, got {limit!r}")
+    return load_file(spec["path"], on_error=on_error, image_root=spec.get("image_root"), n=limit,
+                     check_images=spec.get("check_images", "header"))
 
 
 def _check_keys(spec: Mapping[str, Any], allowed: list[str], where: str) -> None:

@@ -4,7 +4,9 @@ A *sample* is a plain ``dict`` so that reward functions can receive its columns 
 contract) and user columns pass through untouched. Every sample has at least:
 
 - ``id``: str, unique within a dataset (``"shapes_count/train/17"``, ``"data/train.jsonl:17"``)
-- ``images``: ``list[PIL.Image.Image]``, RGB, already loaded (empty for text-only rows)
+- ``images``: a sequence of RGB ``PIL.Image.Image`` (empty for text-only rows): a ``list`` for the built-in tasks, a
+  ``LazyImages`` for user files, which decodes an image when it is indexed or iterated (``len()`` does not decode;
+  see ``vlmrl.data.images``). Use it as a read-only sequence; ``list(sample["images"])`` gives a plain list
 - ``problem``: the question shown to the model, without answer-format instructions (the trainer adds those)
 - ``solution``: the ground truth as text: ``"3"``, ``"red"`` or a box ``"[x1, y1, x2, y2]"`` in absolute pixels
 - ``answer_type``: ``"number"``, ``"text"`` or ``"box"``
@@ -25,6 +27,8 @@ from typing import Any
 from PIL import Image
 
 from vlmrl.errors import DataError  # noqa: F401  (re-exported: vlmrl.data.DataError)
+
+from .images import LazyImages
 
 Sample = dict[str, Any]
 """One dataset row; see the module docstring for the required keys."""
@@ -93,6 +97,8 @@ def format_box(box: Sequence[float]) -> str:
 
 def format_number(value: float) -> str:
     """``3`` for integral values (also ``3.0``), otherwise Python's shortest float repr."""
+    if isinstance(value, int):
+        return str(value)  # exact, also beyond float's range
     if float(value).is_integer():
         return str(int(value))
     return repr(float(value))
@@ -120,7 +126,10 @@ def check_sample(sample: Sample) -> None:
     if sample["answer_type"] not in ANSWER_TYPES:
         raise DataError(f"{where}: answer_type {sample['answer_type']!r} is not one of {list(ANSWER_TYPES)}")
     images = sample["images"]
-    if not isinstance(images, list) or not all(isinstance(im, Image.Image) for im in images):
+    if not isinstance(images, (list, LazyImages)):
+        raise DataError(f"{where}: 'images' must be a list of PIL images (or a LazyImages)")
+    images = list(images)  # a LazyImages decodes here: DataError naming its file and line if one does not
+    if not all(isinstance(im, Image.Image) for im in images):
         raise DataError(f"{where}: 'images' must be a list of PIL images")
     for image in images:
         if image.mode != "RGB":

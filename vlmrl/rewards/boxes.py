@@ -2,11 +2,13 @@
 
 Boxes are parsed from every common output form (`parse_boxes`): JSON with `bbox_2d`/`Position`, `[x1, y1, x2, y2]`,
 `(x1,y1),(x2,y2)`, Qwen2-VL's `<|box_start|>(x1,y1),(x2,y2)<|box_end|>` on its 0..1000 grid. Invalid boxes
-(inverted, empty, NaN, outside the image) never pay: a huge box would otherwise always overlap the target.
+(inverted, empty, NaN, outside the image) never pay: a huge box would otherwise always overlap the target. As for
+every verifiable reward, only an option outside its listed values (or a column of the wrong length) raises ValueError.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -27,8 +29,20 @@ MATCHING = ("greedy", "hungarian")
 DETECTION_SCORES = ("f1", "ap")
 
 
+def _comparable(a: Box, b: Box) -> tuple[Box, Box]:
+    """Both boxes divided by their largest |coordinate| when areas would overflow to inf or underflow to 0: IoU and
+    GIoU are ratios of areas, the same at any scale, and inf - inf would make them NaN."""
+    scale = max(abs(v) for v in (*a, *b))
+    if 1e-100 < scale < 1e100:
+        return a, b
+    if scale == 0.0 or not math.isfinite(scale):
+        return a, b
+    return (tuple(v / scale for v in a), tuple(v / scale for v in b))  # type: ignore[return-value]
+
+
 def box_iou(a: Box, b: Box) -> float:
     """Intersection over union of two valid boxes (x1, y1, x2, y2), areas as (x2 - x1) * (y2 - y1)."""
+    a, b = _comparable(a, b)
     iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     inter = iw * ih
@@ -38,6 +52,7 @@ def box_iou(a: Box, b: Box) -> float:
 
 def box_giou(a: Box, b: Box) -> float:
     """Generalised IoU in [-1, 1]: IoU - (C - U) / C, C the area of the smallest box enclosing both, U the union."""
+    a, b = _comparable(a, b)
     iw = max(0.0, min(a[2], b[2]) - max(a[0], b[0]))
     ih = max(0.0, min(a[3], b[3]) - max(a[1], b[1]))
     inter = iw * ih
@@ -204,9 +219,13 @@ def detection_score(pred: list[Box], gold: list[Box], threshold: float = 0.5, ma
 
 
 def _gold_boxes(solution: Any, coords: str, width: float | None, height: float | None) -> list[Box] | None:
+    """The true boxes; [] only for a solution that says "no objects" ("", "[]" or an empty list); None for one
+    that holds no box (a text, a number, None: not a detection target) or an invalid box."""
     boxes = parse_boxes(solution, width, height, coords) if isinstance(solution, str) else boxes_from_json(solution)
-    if isinstance(solution, str) and not boxes and solution.strip() in ("", "[]"):
-        return []
+    if not boxes:
+        empty = solution.strip() in ("", "[]") if isinstance(solution, str) else (
+            isinstance(solution, (list, tuple)) and not solution)
+        return [] if empty else None
     return boxes if all(box_is_valid(b, width, height, coords) for b in boxes) else None
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from vlmrl.rewards.parsing import normalize_text
 from vlmrl.rewards.registry import register_reward
-from vlmrl.rewards.verifiable import _select_answer, per_sample
+from vlmrl.rewards.verifiable import _select_answer, is_missing, per_sample
 
 _SEPARATORS = re.compile(r"\s*(?:[,;/|&+\n]|\band\b|\bor\b)\s*")
 
@@ -66,14 +66,16 @@ def classification_reward(
     lists several labels pays 0: split on `,` `;` `/` `|` `&` `+`, "and", "or", two parts naming different labels
     is a list. With the label set (`labels`: a kwarg, or a column of per-sample lists) the answer may be a phrase
     ("It is a cat.") that mentions exactly one label; without it, the whole answer must be the label.
-    A solution that is a list pays when any element matches."""
+    A solution that is a list pays when any element matches; an empty or missing (None, NaN) solution gives None. Raises
+    ValueError only for an `extract` mode outside those listed or a column of the wrong length."""
     n = len(completions)
     table = synonym_table(synonyms)
     truncated = per_sample(completion_truncated, n, False)
     label_sets = per_sample(labels if labels and isinstance(labels[0], (list, tuple)) else None, n, labels)
     scores: list[float | None] = []
     for completion, sol, trunc, label_set in zip(completions, solution, truncated, label_sets, strict=True):
-        targets = {_canonical(str(t), table) for t in (sol if isinstance(sol, (list, tuple)) else [sol])} - {""}
+        given = sol if isinstance(sol, (list, tuple)) else [sol]
+        targets = {_canonical(str(t), table) for t in given if not is_missing(t)} - {""}
         if not targets:
             scores.append(None)
             continue

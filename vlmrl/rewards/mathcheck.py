@@ -157,6 +157,11 @@ def sympy_equal(prediction: str, reference: str, tolerance: float = 1e-6) -> boo
     return bool(diff.equals(0))
 
 
+def ready() -> bool:
+    """A job that does nothing: running it makes a math worker start."""
+    return True
+
+
 def warm_up() -> None:
     """Run one comparison, so that a worker's first real job does not pay for sympy's lazy imports."""
     sympy_equal("\\frac{x^2 - 1}{x - 1}", "x + 1")
@@ -173,6 +178,9 @@ def symbolic_equal_many(pairs: list[tuple[str, str]], timeout: float = 2.0, budg
     fresh: dict[tuple[str, str], bool | RewardFailure] = {}
     if todo:
         pool = get_pool("math", preload=("sympy", "vlmrl.rewards.mathcheck:warm_up"))
+        # start the workers (importing sympy takes seconds) before the budget's clock: a pool that started inside
+        # it failed the whole batch whenever the start took longer than the budget, every batch
+        pool.run([Job("vlmrl.rewards.mathcheck:ready", timeout=60.0) for _ in range(pool.size)])
         jobs = [Job("vlmrl.rewards.mathcheck:sympy_equal", (a, b, tolerance), timeout=timeout) for a, b in todo]
         for pair, outcome in zip(todo, pool.run(jobs, deadline=time.monotonic() + budget), strict=True):
             if outcome.ok:

@@ -138,7 +138,8 @@ _NUMBER_PUNCT = {
 }
 _UNSIGNED = r"(?:\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _NUMBER = re.compile(rf"[-+]?{_UNSIGNED}(?:\s*/\s*{_UNSIGNED})?", flags=re.ASCII)
-_LATEX_FRAC = re.compile(r"\\[dt]?frac\s*\{\s*([^{}]*?)\s*\}\s*\{\s*([^{}]*?)\s*\}")
+# each group takes everything up to its brace and is stripped after: `\{\s*([^{}]*?)\s*\}` is cubic on a run of spaces
+_LATEX_FRAC = re.compile(r"\\[dt]?frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 
 
 def to_ascii_digits(text: str) -> str:
@@ -171,7 +172,7 @@ def parse_number(text: str, exact: bool = False) -> float | None:
     non-ASCII digits, and text around the number ("$5", "5 cm", "x = 5"). The text must hold exactly ONE number:
     "3 or 4", "3-4" and "1,2" parse to None, so listing candidates cannot pay. exact=True: nothing but the number
     (and trailing punctuation) is allowed. Non-finite values are None."""
-    s = _LATEX_FRAC.sub(r"\1/\2", to_ascii_digits(text)).strip()
+    s = _LATEX_FRAC.sub(lambda m: f"{m.group(1).strip()}/{m.group(2).strip()}", to_ascii_digits(text)).strip()
     tokens = [m.group(0) for m in _NUMBER.finditer(s)]
     if len(tokens) != 1:
         return None
@@ -219,7 +220,8 @@ _QWEN_BOX = re.compile(
 )
 _TEXT_BOX = re.compile(
     rf"[\[(]\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*,\s*({_NUM})\s*[\])]"
-    rf"|\(\s*({_NUM})\s*,\s*({_NUM})\s*\)\s*(?:,|to|-)?\s*\(\s*({_NUM})\s*,\s*({_NUM})\s*\)"
+    # `\)\s*(?:,|to|-)?\s*\(` would split a run of spaces between its two `\s*` in every way: quadratic
+    rf"|\(\s*({_NUM})\s*,\s*({_NUM})\s*\)\s*(?:(?:,|to|-)\s*)?\(\s*({_NUM})\s*,\s*({_NUM})\s*\)"
 )
 _BOX_KEYS = ("bbox_2d", "bbox", "box", "Position", "position")
 
@@ -227,7 +229,10 @@ _BOX_KEYS = ("bbox_2d", "bbox", "box", "Position", "position")
 def _four_numbers(value: Any) -> Box | None:
     if isinstance(value, (list, tuple)) and len(value) == 4:
         if all(isinstance(v, Real) and not isinstance(v, bool) for v in value):
-            return (float(value[0]), float(value[1]), float(value[2]), float(value[3]))
+            try:
+                return (float(value[0]), float(value[1]), float(value[2]), float(value[3]))
+            except OverflowError:  # a JSON integer beyond float's range: not a box
+                return None
     return None
 
 
@@ -248,7 +253,12 @@ def boxes_from_json(obj: Any) -> list[Box]:
 
 
 def _json_value(text: str) -> Any:
-    body = re.sub(r"^```(?:json)?\s*|\s*```$", "", text.strip())
+    body = text.strip()  # without a code fence; string methods, as `\s*```$` is quadratic on a run of spaces
+    if body.startswith("```"):
+        body = body[7:] if body.startswith("```json") else body[3:]
+        body = body.lstrip()
+    if body.endswith("```"):
+        body = body[:-3].rstrip()
     candidates = [body]
     starts = [i for i in (body.find("["), body.find("{")) if i >= 0]
     if starts:

@@ -5,11 +5,14 @@ process-reward hook in `reasoning.py`.
 
 Each reward follows TRL's contract `(completions, **columns) -> list[float | None]`, accepts and ignores unknown
 columns, and returns None for samples it does not apply to. Each docstring says what it pays and which exploit
-it closes: the policy is an optimiser, and it finds whatever a lenient parser pays for.
+it closes: the policy is an optimiser, and it finds whatever a lenient parser pays for. No completion and no
+solution makes a reward raise (tests/test_fuzz.py); a reward raises ValueError only for an option outside its listed
+values or a column whose length is not the number of completions.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -41,6 +44,11 @@ def per_sample(value: Any, n: int, default: Any) -> list[Any]:
     if len(value) != n:
         raise ValueError(f"column has {len(value)} values for {n} completions")
     return list(value)
+
+
+def is_missing(value: Any) -> bool:
+    """None or a float NaN (how pandas and parquet readers spell a missing cell): no ground truth to compare with."""
+    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _select_answer(completion: str, truncated: bool, extract: str, strict: bool) -> str | None:
@@ -129,7 +137,8 @@ def accuracy_reward(
       letter or by text (`choice_index`), and pays when it is the solution's option (the solution is a letter or
       an option's text).
     A `solution` that is a list pays when any element matches. An empty answer pays 0. A solution that does not
-    parse as its answer_type gives None (fix the data).
+    parse as its answer_type, or is missing (None, NaN), gives None (fix the data). Raises ValueError only for an
+    option or `answer_type` value outside those listed, or a column whose length is not the number of completions.
     strict (default True): the completion must be exactly an optional think block then one answer block, with only
     whitespace around, and not truncated; otherwise 0. This closes a hack seen on this project: with a lenient
     parser the policy stopped emitting its end token and wrote `<answer>5</answer></answer></answer>`.
@@ -150,7 +159,7 @@ def accuracy_reward(
         if kind == "box":
             scores.append(None)
             continue
-        targets = sol if isinstance(sol, (list, tuple)) else [sol]
+        targets = [t for t in (sol if isinstance(sol, (list, tuple)) else [sol]) if not is_missing(t)]
         answer = _select_answer(completion_text(completion), bool(trunc), extract, strict)
         if kind == "choice":
             gold = {choice_index(str(t), opts) for t in targets} - {None} if opts else set()

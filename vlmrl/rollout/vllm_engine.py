@@ -53,6 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from vlmrl.errors import ConfigError
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
 from vlmrl.rollout.generate import Rollout
@@ -94,7 +95,7 @@ def launcher_env(device: str | None = None) -> dict[str, str]:
         raise RuntimeError(f"rollout.engine=vllm: the launcher set RANK/WORLD_SIZE but not {missing}; start the run "
                            "with torchrun, which sets all of " + ", ".join(LAUNCHER_KEYS))
     if index is not None and index != int(env["LOCAL_RANK"]):
-        raise ValueError(f"vLLM runs on cuda:LOCAL_RANK (LOCAL_RANK={env['LOCAL_RANK']}), not on {device}: use "
+        raise ConfigError(f"vLLM runs on cuda:LOCAL_RANK (LOCAL_RANK={env['LOCAL_RANK']}), not on {device}: use "
                          f"cuda:{env['LOCAL_RANK']} in this process")
     return {k: env[k] for k in LAUNCHER_KEYS}
 
@@ -181,7 +182,7 @@ class VLLMEngine:
                               "rollout.engine=hf") from error
         unknown = set(options or {}) - set(DEFAULTS)
         if unknown:
-            raise ValueError(f"rollout.vllm: unknown options {sorted(unknown)}; allowed: {sorted(DEFAULTS)}")
+            raise ConfigError(f"rollout.vllm: unknown options {sorted(unknown)}; allowed: {sorted(DEFAULTS)}")
         self.options = {**DEFAULTS, **(options or {})}
         local_rank = launcher_env(device)["LOCAL_RANK"]
         self.device = device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -241,7 +242,7 @@ class VLLMEngine:
             request: dict[str, Any] = {"prompt_token_ids": ids}
             if sample.get("images"):
                 images = sample["images"]
-                request["multi_modal_data"] = {"image": images if len(images) > 1 else images[0]}
+                request["multi_modal_data"] = {"image": list(images) if len(images) > 1 else images[0]}
                 if budget:
                     request["mm_processor_kwargs"] = budget
             requests.append(request)
