@@ -210,3 +210,13 @@ def test_saved_processor_keeps_its_chat_template(family_dirs, tmp_path):
                                       "<image>{% else %}{{ p['text'] }}{% endif %}{% endfor %}{% endfor %} A:")
     policy.save_pretrained(tmp_path)
     assert load_policy(tmp_path).processor.prompt_text("hi", 1) == "Q: <image>hi A:"
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_prompt_lengths_without_images_equal_the_built_prompts(family, family_dirs, mixed_samples):
+    """The load-time length check counts what the processor builds, image placeholders and BOS included."""
+    policy = load_policy(family_dirs[family])
+    batch = make_prompts(policy, mixed_samples)
+    lengths = policy.processor.prompt_lengths([s["problem"] for s in mixed_samples],
+                                              [s["images"] for s in mixed_samples], [s["id"] for s in mixed_samples])
+    assert lengths == batch.attention_mask.sum(-1).tolist()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -13,7 +14,8 @@ With no arguments this runs the quickstart: the embedded tiny Qwen2-VL learns to
 Examples:
   vlmrl train
   vlmrl train recipes/quickstart.yaml trainer.lr=1e-4 rollout.group_size=4
-  vlmrl train recipes/quickstart.yaml trainer.steps=600 --resume runs/quickstart/checkpoint-300
+  vlmrl train --resume runs/quickstart                    # a stopped or killed run, from its newest checkpoint
+  vlmrl train trainer.steps=1200 --resume runs/quickstart  # the run's own config.yaml, with overrides on top
   vlmrl train recipes/quickstart.yaml --seeds 3 --control sft   # seeds, matched-compute control, OOD (docs/evaluation.md)
 Every key, its type and its default: `vlmrl train --show-config`; docs/recipes.md explains them."""
 
@@ -54,6 +56,10 @@ def cmd_train(args) -> int:
     recipe, overrides = None, list(args.args)
     if overrides and "=" not in overrides[0]:
         recipe = overrides.pop(0)
+    if args.resume and recipe is None and not (args.seeds or args.control):
+        from vlmrl.trainer.resume import run_recipe
+
+        recipe = run_recipe(args.resume)  # the run's own config.yaml; overrides apply on top of it
     cfg = load_config(recipe, overrides)  # fails on a typo before any model is built
     if args.show_config:
         import yaml
@@ -65,6 +71,12 @@ def cmd_train(args) -> int:
     from vlmrl.trainer.run import train
 
     summary = train(cfg, BarProgress(), resume=args.resume)
+    for note in summary["notes"]:  # shown as they happened too; repeated where a long run's output ends
+        print(f"note: {note}")
+    if summary.get("preempted"):
+        print(f"\n{summary['preempted']}: stopped after step {summary['stopped_at']}; checkpoint: "
+              f"{summary['checkpoint']}\nresume with: {summary['resume']}")
+        return 0
     start, final = summary["start"], summary["final"]
     print(f"\nrun directory: {summary['run_dir']}")
     print(f"{'held-out':<22}{'after SFT':>12}{'after RL':>12}")
@@ -87,11 +99,14 @@ def cmd_eval(args) -> int:
     from vlmrl.eval.generative import evaluate
     from vlmrl.eval.tables import eval_table
     from vlmrl.models import load_policy
+    from vlmrl.preflight import check_device, resolve_model
     from vlmrl.rewards import RewardSpec
+    from vlmrl.trainer.watch import truncation_warning
 
-    ckpt = Path(args.checkpoint)
-    recipe = ckpt / "config.yaml" if (ckpt / "config.yaml").exists() else None
+    ckpt = resolve_model(args.checkpoint, "vlmrl eval")  # a run directory -> its latest complete checkpoint
+    recipe = ckpt / "config.yaml" if isinstance(ckpt, Path) and (ckpt / "config.yaml").exists() else None
     cfg = load_config(recipe, args.overrides)
+    check_device(cfg.model.device)
     spec = cfg.data.eval
     if args.data:
         spec = {"path": args.data, "on_error": cfg.data.on_error} if Path(args.data).exists() or "." in args.data \
@@ -113,6 +128,10 @@ def cmd_eval(args) -> int:
                        progress=progress.advance, n=args.samples, ks=args.k or cfg.eval.pass_k,
                        reflection_words=cfg.eval.reflection_words)
         progress.end()
+        warning = truncation_warning(res["metrics"].get("truncated_share", 0.0), "eval.max_new_tokens",
+                                     cfg.eval.max_new_tokens, f"eval T={temperature}")
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
         full[f"T={temperature}"] = res
         # the flat metrics at the top of each temperature; the breakdowns beside them
         results[f"T={temperature}"] = {**res["metrics"], "per_task": res["per_task"], "reflection": res["reflection"]}
@@ -192,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     t.add_argument("args", nargs="*", metavar="[RECIPE] [KEY=VALUE ...]",
                    help="a YAML recipe (optional) followed by dotted overrides such as trainer.lr=1e-5")
-    t.add_argument("--resume", metavar="CHECKPOINT", help="continue the run from RUN_DIR/checkpoint-N")
+    t.add_argument("--resume", metavar="RUN_DIR", help="continue a run exactly from its newest complete checkpoint "
+                   "(or from RUN_DIR/checkpoint-N), with its own config.yaml as the recipe; overrides that change "
+                   "the training are allowed and named in a warning")
     t.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     t.add_argument("--seeds", type=int, default=0, metavar="N",
                    help="run the recipe N times (trainer.seed, +1, ...) under trainer.output_dir and aggregate mean, "
@@ -206,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="evaluate a checkpoint or model folder on held-out data",
                        description="Accuracy, mean reward and answer length of CHECKPOINT on the recipe's held-out "
                                    "set (its config.yaml), or on --data (a task name or a JSONL/parquet file).")
-    e.add_argument("checkpoint", help="RUN_DIR/checkpoint-N, or any model folder / hub name")
+    e.add_argument("checkpoint", help="a run directory (its latest complete checkpoint), RUN_DIR/checkpoint-N, a "
+                                      "model folder or a hub name")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
     e.add_argument("--data", help="a built-in task name or a data file (default: the recipe's data.eval)")
     e.add_argument("--split", default="test", choices=["train", "test", "ood"], help="split of a built-in task")
@@ -250,29 +272,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vlmrl.config import ConfigError
+    """Run one command. vlmrl's own errors (vlmrl.errors) print as `error: ...` with exit code 2; anything else is
+    a bug and keeps its traceback."""
+    from vlmrl.errors import VlmrlError
 
     args = build_parser().parse_args(argv)
     from vlmrl.allocator import keep_freed_memory
 
     keep_freed_memory()  # VLMRL_MALLOC_REUSE=1: faster CPU steps for more memory (vlmrl/allocator.py)
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our bars only; the model folder writes are not worth one
+    # our bars only (the model folder loads and writes are not worth one); read when transformers is first imported,
+    # so a command refused up front never pays for importing it
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         return args.func(args)
-    except ConfigError as e:
+    except VlmrlError as e:  # names the key, file, line or sample and the fix: one line, no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception as e:  # data errors carry file/line/sample; show them without a traceback
-        from vlmrl.data import DataError
-        from vlmrl.models import PromptTooLongError
-        from vlmrl.rewards import FatalRewardError  # e.g. the judge's API key was refused
-
-        if isinstance(e, (DataError, PromptTooLongError, FileNotFoundError, ValueError, FatalRewardError)):
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-        raise
 
 
 if __name__ == "__main__":

@@ -25,10 +25,11 @@ import torch
 
 from vlmrl.config import Config
 from vlmrl.data import build_dataset
+from vlmrl.errors import ConfigError, PathError, TrainingError
 from vlmrl.models import load_policy
 from vlmrl.models.policy import Policy
 from vlmrl.rewards import RewardSpec
-from vlmrl.trainer.checkpoint import save_checkpoint
+from vlmrl.trainer.checkpoint import checkpoint_problem, save_checkpoint, step_checkpoints
 from vlmrl.trainer.logger import MetricsLogger
 from vlmrl.trainer.run import Progress, run_eval, seed_everything, train
 from vlmrl.trainer.sft import sft_step
@@ -49,7 +50,7 @@ def rl_phase_seconds(run_dir: str | Path) -> float:
     again; held-out evaluations and checkpoints are not training compute and are left out."""
     rows = [r for r in read_metrics(run_dir) if r["phase"] == "train"]
     if not rows:
-        raise ValueError(f"{run_dir}/metrics.jsonl has no train rows: the RL phase did not run")
+        raise PathError(f"{run_dir}/metrics.jsonl has no train rows: the RL phase did not run")
     return sum(v for r in rows for k, v in r.items()
                if k.startswith("time/") and k.count("/") == 1 and isinstance(v, (int, float)))
 
@@ -73,11 +74,11 @@ def ood_specs(cfg: Config) -> dict[str, tuple[Any, str]]:
     if isinstance(ood, Mapping) and ("task" in ood or "path" in ood):
         ood = {"ood": ood}
     if not isinstance(ood, Mapping):
-        raise ValueError(f"eval.ood: expected 'auto', null, a data spec or a mapping of names to specs, got {ood!r}")
+        raise ConfigError(f"eval.ood: expected 'auto', null, a data spec or a mapping of names to specs, got {ood!r}")
     out = {}
     for name, spec in ood.items():
         if not isinstance(spec, Mapping):
-            raise ValueError(f"eval.ood.{name}: expected a data spec ({{task: ...}} or {{path: ...}}), got {spec!r}")
+            raise ConfigError(f"eval.ood.{name}: expected a data spec ({{task: ...}} or {{path: ...}}), got {spec!r}")
         split = spec.get("split", "ood")
         out[str(name)] = ({k: v for k, v in spec.items() if k != "split"}, split)
     return out
@@ -108,7 +109,7 @@ def sft_control(cfg: Config, start: str | Path, seconds: float, out_dir: Path, e
     policy = load_checkpoint_policy(cfg, start)
     sft_set, _ = build_dataset(d.sft, "train", d.seed + 1, d.on_error)  # the labelled set the SFT start saw
     if not sft_set:
-        raise ValueError("control sft: data.sft is empty; the control needs the labelled set")
+        raise ConfigError("control sft: data.sft is empty; the control needs the labelled set")
     rewards = reward_specs(cfg)
     optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=c.lr)
     generator = torch.Generator().manual_seed(t.seed)
@@ -146,10 +147,14 @@ def sft_control(cfg: Config, start: str | Path, seconds: float, out_dir: Path, e
 def train_with_baselines(cfg: Config, control: str | None = None, progress: Progress | None = None) -> dict:
     """`train(cfg)`, then `run_baselines` on the finished run. Returns train's summary plus "baselines"."""
     if control is not None and control not in CONTROLS:
-        raise ValueError(f"--control {control!r}: known controls: {', '.join(CONTROLS)}")
+        raise ConfigError(f"--control {control!r}: known controls: {', '.join(CONTROLS)}")
     progress = progress or Progress()
     ood_sets = load_ood_sets(cfg)  # fail on a bad OOD spec before hours of training
     summary = train(cfg, progress)
+    if summary.get("preempted"):  # stopped by a signal: the baselines need the finished run
+        raise TrainingError(f"{summary['preempted']} stopped the run after step {summary['stopped_at']} "
+                            f"(checkpoint {summary['checkpoint']}); finish it with `{summary['resume']}`, then add "
+                            f"the baselines to the finished run")
     return {**summary, "baselines": run_baselines(cfg, summary, control, progress, ood_sets)}
 
 
@@ -158,9 +163,9 @@ def summary_of_run(run_dir: str | Path) -> dict:
     checkpoint (to add baselines to a run trained earlier, or one whose baselines were interrupted)."""
     run_dir = Path(run_dir)
     evals = {r["step"]: r for r in read_metrics(run_dir) if r["phase"] == "eval"}
-    ckpts = sorted(run_dir.glob("checkpoint-*"), key=lambda c: int(c.name.split("-")[1]))
+    ckpts = [c for c in step_checkpoints(run_dir).values() if checkpoint_problem(c) is None]  # complete ones
     if not evals or len(ckpts) < 2:
-        raise ValueError(f"{run_dir}: not a finished run (needs eval rows, checkpoint-0 and a final checkpoint)")
+        raise PathError(f"{run_dir}: not a finished run (needs eval rows, checkpoint-0 and a final checkpoint)")
     strip = lambda row: {k: v for k, v in row.items() if k not in ("phase", "step")}  # noqa: E731
     return {"run_dir": str(run_dir), "start": strip(evals[min(evals)]), "final": strip(evals[max(evals)]),
             "checkpoint": str(ckpts[-1])}

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from vlmrl.errors import ConfigError
 from vlmrl.models.forward import CompletionOutput, sequence_logprobs
 from vlmrl.models.policy import Policy
 
@@ -48,7 +49,7 @@ def process_device(device: str, local_rank: int, world: int) -> str:
     if not device.startswith("cuda") or world == 1:
         return device
     if device not in ("cuda", f"cuda:{local_rank}"):
-        raise ValueError(f"model.device={device!r} under torchrun with {world} processes: use model.device=cuda, and "
+        raise ConfigError(f"model.device={device!r} under torchrun with {world} processes: use model.device=cuda, and "
                          f"each rank takes cuda:LOCAL_RANK")
     return f"cuda:{local_rank}"
 
@@ -77,23 +78,39 @@ def init_distributed(mode: str, device: str) -> DistInfo:
 def shard(n: int, info: DistInfo) -> tuple[int, int]:
     """[start, stop) of this rank's prompts among n; n must split evenly so every rank does the same work."""
     if n % info.world:
-        raise ValueError(f"rollout.prompts_per_step={n} must be a multiple of the number of processes ({info.world})")
+        raise ConfigError(f"rollout.prompts_per_step={n} must be a multiple of the number of processes ({info.world})")
     per = n // info.world
     return info.rank * per, (info.rank + 1) * per
 
 
-def all_sum(x: float | Tensor, info: DistInfo) -> Tensor:
-    t = torch.as_tensor(x, dtype=torch.float64).clone()
+def _reduce(x: float | Tensor, info: DistInfo, op) -> Tensor:
+    """`x` reduced over the ranks, as a float64 CPU tensor. The reduction runs on the rank's device, since NCCL
+    reduces CUDA tensors only (gloo: CPU)."""
+    t = torch.as_tensor(x, dtype=torch.float64).detach().clone()
     if info.active:
-        dist.all_reduce(t)
-    return t
+        device = str(info.device)
+        t = t.to(device if device.startswith("cuda") else "cpu")
+        dist.all_reduce(t, op=op)
+    return t.cpu()
+
+
+def all_sum(x: float | Tensor, info: DistInfo) -> Tensor:
+    return _reduce(x, info, dist.ReduceOp.SUM)
 
 
 def all_max(x: float | Tensor, info: DistInfo) -> Tensor:
-    t = torch.as_tensor(x, dtype=torch.float64).clone()
-    if info.active:
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
+    return _reduce(x, info, dist.ReduceOp.MAX)
+
+
+def rank_max(values: list[int], info: DistInfo) -> list[int]:
+    """Each value's maximum over the ranks, in one all-reduce: how the ranks agree on decisions such as stopping
+    after this step (any rank's signal number) or writing a checkpoint now (rank 0's 0/1)."""
+    if not info.active:
+        return [int(v) for v in values]
+    device = info.device if info.device.startswith("cuda") else "cpu"  # NCCL reduces CUDA tensors only
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]
 
 
 def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
@@ -138,7 +155,7 @@ def wrap(policy: Policy, info: DistInfo) -> nn.Module:
         block_classes = set(getattr(policy.model, "_no_split_modules", None) or [])
         blocks = [m for m in policy.model.modules() if type(m).__name__ in block_classes]
         if not blocks:
-            raise ValueError(f"fsdp2: {type(policy.model).__name__} names no transformer blocks (_no_split_modules)")
+            raise ConfigError(f"fsdp2: {type(policy.model).__name__} names no transformer blocks (_no_split_modules)")
         for block in blocks:
             fully_shard(block)
         policy.family.dummy_vision = dummy_image_batch(policy)

@@ -1,12 +1,19 @@
 """Metrics go to a JSONL file always, to TensorBoard event files by default, and to Weights & Biases when a project
-is configured; library code never prints."""
+is configured; library code never prints.
+
+Every record has a phase and a step. `sft` and `data` rows have their own step axes (SFT steps; 0); `train`,
+`eval` and `summary` rows share the RL step axis, the one a resumed run rewinds (`rewind_logs`).
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from pathlib import Path
+
+RL_AXIS = ("train", "eval", "summary")
 
 
 class MetricsLogger:
@@ -52,6 +59,95 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def kept_after_rewind(phase: str, step: int, to: int, rerun_eval: bool) -> bool:
+    """Whether a record survives rewinding the run to RL step `to`: everything off the RL axis (sft, data) does;
+    on it, what came before `to`, and at `to` the train row and the evaluation (unless the resumed run evaluates
+    step `to` again). Summary rows describe a finished run, and go."""
+    if phase not in RL_AXIS:
+        return True
+    if phase == "summary":
+        return False
+    return step < to or (step == to and (phase == "train" or not rerun_eval))
+
+
+def rewind_logs(run_dir: str | Path, to: int, rerun_eval: bool = False) -> list[str]:
+    """Drop what a run resumed at RL step `to` will log again, from metrics.jsonl, rollouts.jsonl, gallery/ and the
+    TensorBoard events (rewritten without those events), so that no curve holds a step twice. Returns notes on what
+    was dropped. Rows cut short by a kill (a last line that is not JSON) are dropped too."""
+    run_dir, notes = Path(run_dir), []
+    keep = lambda phase, step: kept_after_rewind(phase, step, to, rerun_eval)  # noqa: E731
+    rows = _rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: keep(r.get("phase"), r.get("step", 0)))
+    entries = _rewrite_jsonl(run_dir / "rollouts.jsonl", lambda r: r.get("step", 0) <= to)
+    for image in (run_dir / "gallery").glob("step*-*.png"):
+        step = re.match(r"step(\d+)-", image.name)
+        if step and int(step.group(1)) > to:
+            image.unlink()
+    values = _rewind_tensorboard(run_dir / "tensorboard", keep)
+    if rows or entries or values:
+        notes.append(f"resume: dropped what was logged after checkpoint-{to} ({rows} metrics.jsonl rows, {entries} "
+                     f"rollouts.jsonl entries, {values} TensorBoard values); the resumed run logs those steps again")
+    return notes
+
+
+def _rewrite_jsonl(path: Path, keep) -> int:
+    if not path.exists():
+        return 0
+    lines, out = path.read_text().splitlines(), []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a row a kill cut short
+            continue
+        if keep(record):
+            out.append(line)
+    if len(out) != len(lines):
+        _replace_text(path, "".join(line + "\n" for line in out))
+    return len(lines) - len(out)
+
+
+def _replace_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _rewind_tensorboard(folder: Path, keep) -> int:
+    """Read every event file, keep the last value of each (tag, step) that `keep(phase, step)` allows, write them to
+    one file in place of the old ones. Idempotent: a kill half-way leaves at worst a value twice in the old files,
+    which the next rewind removes."""
+    files = sorted(folder.glob("events.out.tfevents.*")) if folder.is_dir() else []
+    if not files:
+        return 0
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    header, values, total = None, {}, 0
+    for file in files:
+        for raw in RawEventFileLoader(str(file)).Load():
+            event = Event.FromString(raw)
+            if event.HasField("file_version"):
+                header = header or event
+            for value in event.summary.value:
+                total += 1
+                if keep(value.tag.split("/", 1)[0], event.step):
+                    values[(value.tag, event.step)] = (event.wall_time, value)
+    tmp = folder / "rewind.tmp"  # no "tfevents" in the name: TensorBoard does not read it
+    with open(tmp, "wb") as f:
+        writer = RecordWriter(f)
+        if header is not None:
+            writer.write(header.SerializeToString())
+        for (_, step), (wall_time, value) in sorted(values.items(), key=lambda kv: (kv[1][0], kv[0][1])):
+            event = Event(wall_time=wall_time, step=step)
+            event.summary.value.add().CopyFrom(value)
+            writer.write(event.SerializeToString())
+        writer.flush()
+    os.replace(tmp, files[0])
+    for file in files[1:]:
+        file.unlink()
+    return total - len(values)
 
 
 def save_gallery_image(image, run_dir: Path, entry: dict) -> str:

@@ -7,22 +7,36 @@ from __future__ import annotations
 
 import math
 import random
+import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from vlmrl.config import Config, save_config, to_dict
+from vlmrl.config import Config, save_config, to_dict, validate
 from vlmrl.data import build_dataset, vocabulary_texts
+from vlmrl.errors import ConfigError
 from vlmrl.eval.generative import evaluate
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
 from vlmrl.models.reference import Reference
 from vlmrl.models.trainable import configure_training, disable_dropout, start_lora
-from vlmrl.rewards import RewardSpec, resolve_reward
-from vlmrl.trainer.checkpoint import load_state, restore_rng, rng_state, save_checkpoint
+from vlmrl.preflight import check_device, resolve_model
+from vlmrl.rewards import RewardSpec
+from vlmrl.rewards.registry import check_specs
+from vlmrl.trainer.checkpoint import (
+    begin_checkpoint,
+    load_rank_rng,
+    load_state,
+    partial_path,
+    restore_rng,
+    rng_state,
+    rotate_checkpoints,
+    save_checkpoint,
+    save_rank_rng,
+)
 from vlmrl.trainer.critic import Critic
 from vlmrl.trainer.distributed import (
     NullLogger,
@@ -38,9 +52,14 @@ from vlmrl.trainer.distributed import (
     wrap,
 )
 from vlmrl.trainer.dpo import OfflineDPO, synthetic_preferences
-from vlmrl.trainer.logger import MetricsLogger
+from vlmrl.trainer.inputs import Datasets, PromptStream, load_datasets
+from vlmrl.trainer.limits import check_data_fits, user_texts
+from vlmrl.trainer.logger import MetricsLogger, rewind_logs
+from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_decisions
+from vlmrl.trainer.resume import check_resume, find_resume_point, rewind_checkpoints
 from vlmrl.trainer.rl import StepContext, rl_step
 from vlmrl.trainer.sft import sft_step
+from vlmrl.trainer.watch import SignalWatch, TruncationWatch, truncation_warning
 
 
 class Progress:
@@ -82,42 +101,21 @@ def lr_lambda(schedule: str, warmup: int, total: int):
     return factor
 
 
-def build_policy(cfg: Config, run_dir: Path, dist_info=None) -> Policy:
+def build_policy(cfg: Config, run_dir: Path, dist_info=None, data: Datasets | None = None) -> Policy:
+    """The policy to train; "tiny" builds the embedded model, its tokenizer trained on the built-in tasks' text and
+    the user data's own text (so a user dataset's words are tokens, not bytes)."""
     m = cfg.model
     name = m.name_or_path
     if name == "tiny":  # built once, by rank 0; the other ranks load the saved folder
         name = run_dir / "base_model"
         if dist_info is None or dist_info.is_main:
-            build_tiny_vlm(name, vocabulary_texts(cfg.data.seed), m.tiny, seed=cfg.trainer.seed)
+            texts = vocabulary_texts(cfg.data.seed)
+            texts += user_texts(cfg, data.train, data.sft, data.eval) if data is not None else []
+            build_tiny_vlm(name, texts, m.tiny, seed=cfg.trainer.seed)
         if dist_info is not None:
             barrier(dist_info)
     device = m.device if dist_info is None else dist_info.device  # cuda:LOCAL_RANK under torchrun
     return configure_training(load_policy(name, m.dtype, device, m.min_pixels, m.max_pixels, m.autocast), m)
-
-
-class PromptStream:
-    """Shuffled passes over the RL prompts, driven by one generator so data order is part of the resumable state."""
-
-    def __init__(self, n: int, generator: torch.Generator):
-        self.n, self.generator = n, generator
-        self.order, self.pos, self.epoch = torch.randperm(n, generator=generator).tolist(), 0, 0
-
-    def next(self, k: int) -> list[int]:
-        out = []
-        while len(out) < k:
-            if self.pos == self.n:
-                self.order, self.pos, self.epoch = torch.randperm(self.n, generator=self.generator).tolist(), 0, \
-                    self.epoch + 1
-            take = min(k - len(out), self.n - self.pos)
-            out += self.order[self.pos:self.pos + take]
-            self.pos += take
-        return out
-
-    def state(self) -> dict:
-        return {"order": self.order, "pos": self.pos, "epoch": self.epoch}
-
-    def load(self, state: dict) -> None:
-        self.order, self.pos, self.epoch = state["order"], state["pos"], state["epoch"]
 
 
 def run_eval(policy: Policy, cfg: Config, samples: list[dict], rewards, progress: Progress, label: str) -> dict:
@@ -130,41 +128,20 @@ def run_eval(policy: Policy, cfg: Config, samples: list[dict], rewards, progress
                        progress=progress.advance, n=cfg.eval.samples, ks=cfg.eval.pass_k,
                        reflection_words=cfg.eval.reflection_words)
         progress.end()
+        warning = truncation_warning(res["metrics"].get("truncated_share", 0.0), "eval.max_new_tokens",
+                                     cfg.eval.max_new_tokens, f"eval {label} ({mode})")
+        if warning:
+            progress.message(f"warning: {warning}")
         out.update({f"{mode}/{k}": v for k, v in res["metrics"].items()})
     return out
-
-
-@dataclass
-class Datasets:
-    """The job's samples: RL prompts, held-out evaluation, SFT labels, and what loading skipped (data.on_error)."""
-
-    train: list[dict]
-    eval: list[dict]
-    sft: list[dict]
-    reports: list
-
-    @property
-    def skipped(self) -> int:
-        return sum(r.skipped for r in self.reports)
-
-
-def load_datasets(cfg: Config) -> Datasets:
-    d = cfg.data
-    train_set, report = build_dataset(d.train, "train", d.seed, d.on_error)
-    eval_set, eval_report = build_dataset(d.eval, "test", d.seed, d.on_error)
-    reports = [r for r in (report, eval_report) if r is not None]
-    sft_set = []
-    if cfg.sft.steps > 0:
-        sft_set, sft_report = build_dataset(d.sft, "train", d.seed + 1, d.on_error)
-        reports += [sft_report] if sft_report is not None else []
-    return Datasets(train_set, eval_set, sft_set, reports)
 
 
 def warm_start(cfg: Config, run_dir: Path, data: Datasets, rewards: list[RewardSpec], generator: torch.Generator,
                logger, progress: Progress, dist_info) -> tuple[Policy, dict]:
     """Build the policy, run the SFT warm-start, evaluate the start; returns the policy (with LoRA adapters when
     configured) and the start's evaluation."""
-    policy = build_policy(cfg, run_dir, dist_info)
+    policy = build_policy(cfg, run_dir, dist_info, data)
+    check_data_fits(policy, cfg, data)  # every label and prompt fits its budget, before any training step
     if cfg.sft.steps > 0:
         sft_opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.sft.lr)
         sft_sched = torch.optim.lr_scheduler.LambdaLR(sft_opt, lr_lambda(cfg.sft.lr_schedule, 0, cfg.sft.steps))
@@ -199,22 +176,40 @@ class RLJob:
     start_eval: dict
     dpo: OfflineDPO | None = None
     shard: tuple[int, int] = (0, 0)
+    wall_before: float = 0.0  # seconds of this run spent in earlier processes (up to the resumed checkpoint)
+    notes: list[str] = field(default_factory=list)  # warnings the RL loop gave (repeated in the summary)
+    t_start: float = 0.0  # time.perf_counter() when this process started
 
-    def checkpoint(self, step: int) -> Path:
-        """RUN_DIR/checkpoint-STEP: the weights (loadable with from_pretrained) and the resumable state. Under FSDP2
-        every rank joins the gather and writes its optimizer shard."""
-        ctx, dist_info = self.ctx, self.ctx.dist
+    def checkpoint(self, step: int, eval_pending: bool = False) -> Path:
+        """RUN_DIR/checkpoint-STEP, written atomically (vlmrl.trainer.checkpoint): the weights (loadable with
+        from_pretrained) and the resumable state. Under torchrun every rank joins the gather, writes its RNG states
+        and, under FSDP2, its optimizer shard, before rank 0 completes and publishes the folder. `eval_pending`: the
+        evaluation scheduled at this step has not run (a stop); the resumed run runs it first."""
+        ctx, dist_info, t = self.ctx, self.ctx.dist, self.cfg.trainer
         path = self.run_dir / f"checkpoint-{step}"
         sharded = dist_info.mode == "fsdp2" and dist_info.active
+        if dist_info.is_main:
+            begin_checkpoint(path)
+        barrier(dist_info)
+        staging = partial_path(path)
         full = full_state_dict(ctx.forward, dist_info)
         if sharded and ctx.optimizer.state:  # (an empty state needs no file; torch would "initialise" it with a step)
-            save_sharded_optimizer(ctx.forward, ctx.optimizer, path / "sharded")
+            save_sharded_optimizer(ctx.forward, ctx.optimizer, staging / "sharded")
+        if not dist_info.is_main:
+            save_rank_rng(staging, dist_info.rank, ctx.generator)
+        barrier(dist_info)
         if dist_info.is_main:
+            guard = getattr(ctx, "guard", None)
             state = {"step": step, "optimizer": None if sharded else ctx.optimizer.state_dict(),
+                     "sharded_optimizer": sharded, "optimizer_empty": not ctx.optimizer.state,
+                     "distributed": dist_info.mode, "world": dist_info.world,
                      "scheduler": ctx.scheduler.state_dict(), "data": self.stream.state(),
                      "rng": rng_state(ctx.generator), "start_eval": self.start_eval,
-                     "critic": ctx.critic.state_dict() if ctx.critic is not None else None}
-            save_checkpoint(path, ctx.policy, self.cfg, state, state_dict=full)
+                     "critic": ctx.critic.state_dict() if ctx.critic is not None else None,
+                     "guard": dict(vars(guard)) if guard is not None else None, "eval_pending": eval_pending,
+                     "wall_seconds": self.wall_before + time.perf_counter() - self.t_start}
+            save_checkpoint(path, ctx.policy, self.cfg, state, state_dict=full, staged=True)
+            rotate_checkpoints(self.run_dir, t.keep_checkpoints, newest=step, final=t.steps)
         barrier(dist_info)
         return path
 
@@ -257,19 +252,23 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
             dpo = OfflineDPO(policy, reference_policy, pairs, cfg)
         train_set = pairs
     if dist_info.active and (algo.advantage == "gae" or offline_dpo or algo.dynamic_sampling):
-        raise ValueError("trainer.distributed supports the GRPO family, RLOO, REINFORCE++, ReMax and online DPO so "
+        raise ConfigError("trainer.distributed supports the GRPO family, RLOO, REINFORCE++, ReMax and online DPO so "
                          "far; run critics, offline DPO and dynamic sampling in one process")
     forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps))
     stream = PromptStream(len(train_set), generator)
-    if resume_state is not None:
-        if resume_state["optimizer"] is not None:  # None under FSDP2: each rank loads its shard below
+    sharded = dist_info.mode == "fsdp2" and dist_info.active
+    if resume_state is not None:  # (the RNG states are restored last, in `train`, right before the first step)
+        if len(resume_state["data"]["order"]) != len(train_set):
+            raise ConfigError(f"{resume}: its prompt order covers {len(resume_state['data']['order'])} prompts, "
+                              f"this run has {len(train_set)}: data.train (or data.preferences) changed; resume "
+                              "with the checkpoint's data, or start a new run from its weights")
+        if resume_state["optimizer"] is not None and not sharded:  # FSDP2: each rank loads its shard below
             optimizer.load_state_dict(resume_state["optimizer"])
         scheduler.load_state_dict(resume_state["scheduler"])
         stream.load(resume_state["data"])
-        restore_rng(resume_state["rng"], generator)
     critic = None
     if algo.advantage == "gae":
         critic = Critic(policy, algo.critic, algo.critic_lr)
@@ -279,9 +278,11 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, algo, t, d.prompt_template,
                       d.max_prompt_length, reference, critic, generator, prompt_offset=shard_start, dist=dist_info,
                       forward=forward)
-    if resume_state is not None and dist_info.mode == "fsdp2" and dist_info.active:
-        if (Path(resume) / "sharded").exists():
-            load_sharded_optimizer(forward, optimizer, Path(resume) / "sharded")
+    if resume_state is not None and sharded and (Path(resume) / "sharded").exists():
+        load_sharded_optimizer(forward, optimizer, Path(resume) / "sharded")
+    guard = getattr(ctx, "guard", None)
+    if resume_state is not None and guard is not None and resume_state.get("guard"):
+        vars(guard).update(resume_state["guard"])
     return RLJob(cfg, ctx, stream, train_set, run_dir, start_eval, dpo, (shard_start, shard_stop))
 
 
@@ -310,9 +311,17 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     Phases: data (bad input is reported before a run directory exists) -> run directory and logger -> warm start
     (SFT and the start's evaluation), or the checkpoint being resumed -> RL state -> the RL loop (evaluations and
     checkpoints on schedule) -> the final evaluation and checkpoint.
+
+    `resume`: a run directory (its newest complete checkpoint) or RUN_DIR/checkpoint-N; the run directory is
+    rewound to that step (vlmrl.trainer.resume). SIGTERM/SIGINT during the RL phase stop it after the current step
+    with a checkpoint; the summary then has `preempted` (the signal), `stopped_at` and `resume` (the command).
     """
     progress = progress or Progress()
     t_start = time.perf_counter()
+    validate(cfg)  # a config built or changed in code is checked as a recipe is
+    check_device(cfg.model.device)
+    if cfg.model.name_or_path != "tiny" and not resume:
+        resolve_model(cfg.model.name_or_path, "model.name_or_path")  # a missing folder or unreachable hub name
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
@@ -320,26 +329,37 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     if not dist_info.is_main:
         progress = Progress()  # one progress bar and one log: rank 0's
     rewards = [RewardSpec.from_config(r) for r in cfg.rewards]
-    for spec in rewards:
-        resolve_reward(spec.name)  # an unknown reward fails here, before data or model are built
-    resume_state = load_state(resume) if resume else None
+    check_specs(rewards)  # an unknown reward or option fails here, before data or model are built
+    point = find_resume_point(resume) if resume else None
+    resume_state = load_state(point.checkpoint) if point else None
+    notes = [*point.notes, *check_resume(cfg, point, resume_state, dist_info.mode == "fsdp2" and dist_info.active)] \
+        if point else []
 
     data = load_datasets(cfg)
-    run_dir = Path(resume).parent if resume else None
+    check_specs(rewards, {k for split in (data.train, data.eval) for s in split[:1] for k in s})  # kwargs vs columns
+    run_dir = point.run_dir if point else None
     if run_dir is None and dist_info.is_main:
         run_dir = fresh_run_dir(cfg.trainer.output_dir)
     run_dir = broadcast_object(run_dir, dist_info)
+    # a stop's pending evaluation, or the final one (a finished run resumed at its last step) is run again
+    rerun_eval = point is not None and (bool(resume_state.get("eval_pending")) or point.step == cfg.trainer.steps)
     if dist_info.is_main:
+        if point:
+            notes += rewind_checkpoints(point) + rewind_logs(run_dir, point.step, rerun_eval)
         save_config(cfg, run_dir / "config.yaml")
         logger = MetricsLogger(run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project, to_dict(cfg))
     else:
         logger = NullLogger()
+    barrier(dist_info)  # the run directory is rewound before any rank reads it
+    for note in notes:
+        progress.message(note)
     for r in data.reports:
         if r.skipped:
             progress.message(f"{r.path}: skipped {r.skipped} bad rows (data.on_error=skip); first: {r.problems[0]}")
-    logger.log({"train_prompts": len(data.train), "eval_samples": len(data.eval), "sft_samples": len(data.sft),
-                "skipped_rows": data.skipped}, 0, "data")
-    summary: dict = {"run_dir": str(run_dir), "skipped_rows": data.skipped,
+    if point is None:  # (a resumed run keeps the first process's row)
+        logger.log({"train_prompts": len(data.train), "eval_samples": len(data.eval), "sft_samples": len(data.sft),
+                    "skipped_rows": data.skipped}, 0, "data")
+    summary: dict = {"run_dir": str(run_dir), "skipped_rows": data.skipped, "notes": notes,
                      "skipped_problems": [p for r in data.reports for p in r.problems]}
 
     generator = torch.Generator().manual_seed(cfg.trainer.seed)
@@ -347,36 +367,75 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         policy, summary["start"] = warm_start(cfg, run_dir, data, rewards, generator, logger, progress, dist_info)
     else:
         m = cfg.model
-        policy = configure_training(load_policy(resume, m.dtype, dist_info.device, m.min_pixels, m.max_pixels,
-                                                m.autocast), m)
+        policy = configure_training(load_policy(point.checkpoint, m.dtype, dist_info.device, m.min_pixels,
+                                                m.max_pixels, m.autocast), m)
+        check_data_fits(policy, cfg, data)
         summary["start"] = resume_state.get("start_eval", {})
-    job = prepare_rl(cfg, policy, run_dir, data, rewards, generator, dist_info, summary["start"], resume,
-                     resume_state)
-
-    t, forward = cfg.trainer, job.ctx.forward
-    first_step = 1 if resume_state is None else resume_state["step"] + 1
+    job = prepare_rl(cfg, policy, run_dir, data, rewards, generator, dist_info, summary["start"],
+                     point.checkpoint if point else None, resume_state)
+    job.t_start, job.wall_before = t_start, resume_state.get("wall_seconds", 0.0) if resume_state else 0.0
     if resume_state is None:
         job.checkpoint(0)  # the SFT start: the baseline every RL number is compared with
     if cfg.rollout.engine == "vllm":
         job.ctx.engine = start_vllm(cfg, job.ctx, run_dir, dist_info)
-    progress.start("rl", t.steps - first_step + 1)
-    for step in range(first_step, t.steps + 1):
-        metrics, gallery = job.step(step)
-        logger.log(metrics, step, "train")
-        if gallery and t.log_rollouts_every and (step % t.log_rollouts_every == 0 or step == 1):
-            logger.log_rollouts([{"step": step, **gallery}])
-        progress.advance(reward=f"{metrics['reward/total/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}")
-        if t.eval_every and step % t.eval_every == 0 and step != t.steps:
-            with gathered(forward):
-                logger.log(run_eval(policy, cfg, data.eval, rewards, Progress(), f"step {step}"), step, "eval")
-        if t.save_every and step % t.save_every == 0 and step != t.steps:
-            job.checkpoint(step)
-    progress.end()
-    with gathered(forward):
-        summary["final"] = run_eval(policy, cfg, data.eval, rewards, progress, "after RL")
-    logger.log(summary["final"], t.steps, "eval")
-    summary["checkpoint"] = str(job.checkpoint(t.steps))
-    summary["wall_seconds"] = time.perf_counter() - t_start
-    logger.log({"wall_seconds": summary["wall_seconds"]}, t.steps, "summary")
+    if resume_state is not None:  # last, so that nothing built since (critic, engine) draws from the restored streams
+        restore_rng(load_rank_rng(point.checkpoint, dist_info.rank, resume_state), generator)
+        if rerun_eval and point.step < cfg.trainer.steps:
+            with gathered(job.ctx.forward):
+                logger.log(run_eval(policy, cfg, data.eval, rewards, Progress(), f"step {point.step}"), point.step,
+                           "eval")
+    with StopRequest(progress.message) as stop:  # also through the final evaluation and checkpoint
+        stopped_at = rl_loop(job, data, rewards, logger, progress, point.step + 1 if point else 1, stop)
+        if stopped_at is not None:
+            summary.update(preempted=signal.Signals(stop.signum).name, stopped_at=stopped_at,
+                           checkpoint=str(run_dir / f"checkpoint-{stopped_at}"), resume=f"vlmrl train --resume {run_dir}")
+        elif cfg.trainer.steps == 0 and point is None:  # no RL: the start is the end (checkpoint-0, evaluated)
+            summary.update(final=summary["start"], checkpoint=str(run_dir / "checkpoint-0"))
+        else:
+            with gathered(job.ctx.forward):
+                summary["final"] = run_eval(policy, cfg, data.eval, rewards, progress, "after RL")
+            logger.log(summary["final"], cfg.trainer.steps, "eval")
+            summary["checkpoint"] = str(job.checkpoint(cfg.trainer.steps))
+    summary["notes"] += job.notes
+    summary["wall_seconds"] = job.wall_before + time.perf_counter() - t_start
+    if stopped_at is None:
+        logger.log({"wall_seconds": summary["wall_seconds"]}, cfg.trainer.steps, "summary")
     logger.close()
     return summary
+
+
+def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, first_step: int,
+            stop: StopRequest) -> int | None:
+    """RL steps `first_step`..trainer.steps with their evaluations, rollout gallery and checkpoints. Returns None
+    when done, or the step after which a signal stopped the run (its checkpoint written)."""
+    cfg, t, ctx = job.cfg, job.cfg.trainer, job.ctx
+    clock, watches = SaveClock(t), (SignalWatch(cfg), TruncationWatch(cfg))
+    progress.start("rl", t.steps - first_step + 1)
+    try:
+        for step in range(first_step, t.steps + 1):
+            metrics, gallery = job.step(step)
+            for warning in filter(None, [w.update(step, metrics) for w in watches]):  # said once, kept in notes
+                progress.message(f"warning: {warning}")
+                job.notes.append(warning)
+            logger.log(metrics, step, "train")
+            if gallery and t.log_rollouts_every and (step % t.log_rollouts_every == 0 or step == 1):
+                logger.log_rollouts([{"step": step, **gallery}])
+            progress.advance(reward=f"{metrics['reward/total/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}")
+            # every branch below turns on values all ranks agree on, so they run the same collectives
+            eval_due = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
+            stopping, saving = step_decisions(stop, clock, step, ctx.dist)
+            evaluated = eval_due and not stopping  # a stop leaves the evaluation to the resumed run
+            if evaluated:
+                with gathered(ctx.forward):
+                    logger.log(run_eval(ctx.policy, cfg, data.eval, rewards, Progress(), f"step {step}"), step, "eval")
+                stopping = agreed_stop(stop, ctx.dist)  # a signal during the evaluation
+            if saving or stopping:
+                job.checkpoint(step, eval_pending=eval_due and not evaluated)
+                clock.saved()
+                if not stopping:
+                    stopping = agreed_stop(stop, ctx.dist)  # a signal during the save
+            if stopping:
+                return step
+    finally:
+        progress.end()
+    return None

@@ -1,0 +1,83 @@
+"""Before any training step: labelled answers fit the generation budget, prompts fit max_prompt_length, the tiny
+tokenizer knows the user's words; during training: a run with no learning signal says so."""
+
+from __future__ import annotations
+
+import pytest
+
+from vlmrl.config import ConfigError, load_config
+from vlmrl.models import PromptTooLongError
+from vlmrl.trainer.limits import check_label_lengths, check_prompt_lengths, user_texts
+from vlmrl.trainer.watch import SignalWatch, truncation_warning
+
+
+def test_a_label_that_cannot_be_generated_whole_is_refused(policy, count_samples):
+    cfg = load_config(None, ["rollout.max_new_tokens=12"])
+    need = check_label_lengths(policy, cfg, count_samples)
+    assert 2 <= need <= 12
+    long = {**count_samples[0], "id": "long-one", "solution": "a rather long multi word answer phrase"}
+    tokens = len(policy.processor.tokenizer(f"<answer>{long['solution']}</answer>",
+                                            add_special_tokens=False)["input_ids"]) + 1
+    with pytest.raises(ConfigError) as e:
+        check_label_lengths(policy, cfg, count_samples, [long])
+    msg = str(e.value)
+    assert msg.startswith("rollout.max_new_tokens=12 is too short for the labelled answers: 1 of 13 do not fit")
+    assert "'long-one'" in msg and f"takes {tokens} tokens" in msg and f"set rollout.max_new_tokens={tokens}" in msg
+    fits = load_config(None, [f"rollout.max_new_tokens={tokens}"])
+    with pytest.raises(ConfigError, match=f"eval.max_new_tokens=12 is too short.*set eval.max_new_tokens={tokens}"):
+        check_label_lengths(policy, fits, [long])
+    both = load_config(None, [f"rollout.max_new_tokens={tokens}", f"eval.max_new_tokens={tokens}"])
+    assert check_label_lengths(policy, both, [long]) == tokens
+
+
+def test_every_prompt_is_checked_at_load(policy, count_samples):
+    cfg = load_config(None, [])
+    longest = check_prompt_lengths(policy, cfg, count_samples)
+    wordy = {**count_samples[5], "id": "wordy", "problem": "count " * 400}
+    short = load_config(None, [f"data.max_prompt_length={longest}"])
+    assert check_prompt_lengths(policy, short, count_samples) == longest
+    with pytest.raises(PromptTooLongError, match=f"sample 'wordy': prompt is .* over data.max_prompt_length={longest}"):
+        check_prompt_lengths(policy, short, count_samples[:3], [wordy])
+
+
+def test_user_text_reaches_the_tiny_tokenizer(count_samples):
+    cfg = load_config(None, [])
+    user = [{"id": "u.jsonl:1", "task": "u", "images": [], "problem": "Which bird?", "solution": "great crested grebe"}]
+    texts = user_texts(cfg, count_samples, user)
+    assert texts == ["Which bird?", "<answer>great crested grebe</answer>"]  # built-in text is already in the corpus
+
+
+def step_metrics(zero_variance=1.0, reward=0.0, truncated=0.9, accuracy=0.0):
+    return {"zero_variance_groups": zero_variance, "reward/total/mean": reward, "reward/total/std": 0.0,
+            "truncated_share": truncated, "accuracy": accuracy, "reward/failure_rate": 0.0}
+
+
+def test_a_run_without_learning_signal_says_so_once():
+    cfg = load_config(None, ["trainer.no_signal_steps=5"])
+    watch = SignalWatch(cfg)
+    messages = [watch.update(step, step_metrics()) for step in range(1, 12)]
+    assert [i + 1 for i, m in enumerate(messages) if m] == [5]
+    text = messages[4]
+    assert text.startswith("step 5: no learning signal for 5 steps in a row")
+    assert "90% of answers were cut at rollout.max_new_tokens=12" in text and "no answer earned any reward" in text
+    metrics = step_metrics(zero_variance=0.5)
+    assert watch.update(12, metrics) is None and metrics["no_signal_streak"] == 0.0  # signal resets the streak
+    assert [watch.update(s, step_metrics(truncated=0.0, reward=1.0, accuracy=1.0)) for s in range(13, 18)][-1] \
+        .endswith("every answer was correct: the task is solved for this policy; use harder data")
+
+
+def test_no_signal_warning_can_be_turned_off_and_single_answers_use_the_batch_std():
+    assert not any(SignalWatch(load_config(None, ["trainer.no_signal_steps=0"])).update(s, step_metrics())
+                   for s in range(1, 50))
+    cfg = load_config(None, ["rollout.group_size=1", "algorithm.advantage=reinforce_pp", "trainer.no_signal_steps=2"])
+    watch = SignalWatch(cfg)
+    varied = {"reward/total/std": 0.3, "reward/total/mean": 0.5}
+    assert watch.update(1, dict(varied)) is None and watch.update(2, dict(varied)) is None
+    assert watch.update(3, {"reward/total/std": 0.0}) is None and watch.update(4, {"reward/total/std": 0.0})
+
+
+def test_truncation_warning():
+    assert truncation_warning(0.2, "eval.max_new_tokens", 12, "eval") is None
+    assert truncation_warning(0.5, "eval.max_new_tokens", 12, "eval T=0.0") == (
+        "eval T=0.0: 50% of answers were cut at eval.max_new_tokens=12 (truncated answers usually score 0); raise "
+        "eval.max_new_tokens")

@@ -1,0 +1,112 @@
+"""Watching a run for the failures nobody sees: training that goes on while nothing can be learned, and answers
+that are cut before they end.
+
+A step has no learning signal when every group's rewards are equal (group-relative advantages, RLOO, online DPO:
+every advantage is 0) or, with one answer per prompt, every reward of the step is equal. After
+`trainer.no_signal_steps` such steps in a row, the run says so once, naming the causes it can check from the
+metrics it already has; the streak is also a metric (`no_signal_streak`). When more than 20% of the RL answers
+of the last `TruncationWatch.WINDOW` steps were cut at `rollout.max_new_tokens`, the run says that too (once, until
+the share falls again); evaluations warn about their own truncation (`truncation_warning`).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from vlmrl.config import Config
+
+TRUNCATION_WARNING = 0.2  # share of answers cut at max_new_tokens above which training and eval warn
+
+
+def has_signal(metrics: dict, group_size: int) -> bool:
+    if group_size > 1 and "zero_variance_groups" in metrics:
+        return metrics["zero_variance_groups"] < 1.0
+    return metrics.get("reward/total/std", 1.0) > 0
+
+
+def truncation_warning(share: float, key: str, value: int, where: str) -> str | None:
+    """The warning for a share of answers cut at `key`=`value`, or None below TRUNCATION_WARNING."""
+    if share <= TRUNCATION_WARNING:
+        return None
+    return (f"{where}: {100 * share:.0f}% of answers were cut at {key}={value} (truncated answers usually score 0); "
+            f"raise {key}")
+
+
+class SignalWatch:
+    """Feed it each RL step's metrics; `update` returns the warning text once per streak, else None."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.window = cfg, cfg.trainer.no_signal_steps
+        self.streak, self.warned = 0, False
+        self.recent: deque[dict] = deque(maxlen=max(self.window, 1))
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        if has_signal(metrics, self.cfg.rollout.group_size):
+            self.streak, self.warned = 0, False
+            self.recent.clear()
+        else:
+            self.streak += 1
+            self.recent.append(metrics)
+        metrics["no_signal_streak"] = float(self.streak)
+        if not self.window or self.streak < self.window or self.warned:
+            return None
+        self.warned = True
+        return self.message(step)
+
+    def message(self, step: int) -> str:
+        def mean(key: str) -> float | None:
+            values = [m[key] for m in self.recent if isinstance(m.get(key), (int, float))]
+            return sum(values) / len(values) if values else None
+
+        r = self.cfg.rollout
+        reward, causes = mean("reward/total/mean"), []
+        truncated = mean("truncated_share")
+        if truncated is not None and truncated > TRUNCATION_WARNING:
+            causes.append(f"{100 * truncated:.0f}% of answers were cut at rollout.max_new_tokens={r.max_new_tokens}: "
+                          f"raise it")
+        failures = mean("reward/failure_rate")
+        if failures:
+            causes.append(f"{100 * failures:.0f}% of reward calls failed (see reward/*/failures): fix the reward "
+                          f"or its endpoint")
+        if mean("reward/format/mean") == 0:
+            causes.append("no answer had the expected format (reward/format/mean = 0): check data.prompt_template's "
+                          "format instructions and the SFT warm-start (sft.steps)")
+        if r.temperature < 0.5:
+            causes.append(f"rollout.temperature={r.temperature} makes a group's answers nearly identical: raise it")
+        accuracy = mean("accuracy")
+        if accuracy is not None and accuracy >= 1.0:
+            causes.append("every answer was correct: the task is solved for this policy; use harder data")
+        elif reward is not None and reward == 0:
+            causes.append("no answer earned any reward: the task may be too hard for the start policy (more SFT), "
+                          "or the reward never matches these answers (try `vlmrl inspect-reward`)")
+        if not causes:
+            causes.append("the rewards cannot tell this policy's answers apart; check them with `vlmrl "
+                          "inspect-reward` and the rollout gallery (rollouts.jsonl)")
+        level = "" if reward is None else f" (mean reward {reward:.2f})"
+        return (f"step {step}: no learning signal for {self.streak} steps in a row: every group's answers got equal "
+                f"rewards{level}, so every advantage was 0. Likely: " + "; ".join(causes))
+
+
+class TruncationWatch:
+    """Feed it each RL step's metrics; `update` returns a warning when the mean `truncated_share` of the last WINDOW
+    steps passes TRUNCATION_WARNING (again only after it fell below)."""
+
+    WINDOW = 10
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.warned = cfg, False
+        self.recent: deque[float] = deque(maxlen=self.WINDOW)
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        if "truncated_share" not in metrics:
+            return None
+        self.recent.append(float(metrics["truncated_share"]))
+        share = sum(self.recent) / len(self.recent)
+        if share <= TRUNCATION_WARNING:
+            self.warned = False
+            return None
+        if self.warned or len(self.recent) < self.WINDOW:
+            return None
+        self.warned = True
+        return truncation_warning(share, "rollout.max_new_tokens", self.cfg.rollout.max_new_tokens,
+                                  f"steps {step - self.WINDOW + 1}-{step}")
