@@ -141,7 +141,7 @@ TINY_MODELS = {
 SETTINGS = {
     "gpu": {"steps": 3, "prompts": 8, "group_size": 4, "max_new_tokens": 128, "eval_n": 4, "eval_tokens": 16,
             "pixels": 448 * 448, "micro_batch": 8, "timeout": 900, "dtype": "bfloat16"},
-    "tiny": {"steps": 2, "prompts": 2, "group_size": 2, "max_new_tokens": 8, "eval_n": 2, "eval_tokens": 4,
+    "tiny": {"steps": 2, "prompts": 2, "group_size": 2, "max_new_tokens": 8, "eval_n": 2, "eval_tokens": 8,
              "pixels": None, "micro_batch": 0, "timeout": 300, "dtype": "float32"},
 }
 
