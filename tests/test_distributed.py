@@ -48,7 +48,7 @@ def single(tmp_path_factory):
         tmp / "single" / "checkpoint-0").state_dict()
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", [pytest.param("ddp", marks=pytest.mark.slow), "fsdp2"])  # ddp: ~2 min
 def test_two_process_training_matches_one_process(tmp_path, single, mode):
     one, start = single
     two = run(tmp_path, mode, mode, 2)

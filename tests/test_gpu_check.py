@@ -39,6 +39,7 @@ def dry_run(tmp_path_factory):
     return proc, out
 
 
+@pytest.mark.slow  # 2.5-4 min: two `vlmrl train` processes on the real vocabulary; its parts are unit-tested below
 def test_cpu_dry_run_passes_and_reports_every_figure(dry_run):
     proc, out = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -81,3 +81,41 @@ def test_truncation_warning():
     assert truncation_warning(0.5, "eval.max_new_tokens", 12, "eval T=0.0") == (
         "eval T=0.0: 50% of answers were cut at eval.max_new_tokens=12 (truncated answers usually score 0); raise "
         "eval.max_new_tokens")
+
+
+def test_user_words_become_tokens_so_phrase_labels_fit():
+    """Multi-word labels the built-in corpus never saw: bytes-level pieces without the user's text, whole words with
+    it (the tiny tokenizer is trained on both), so the same labels fit the quickstart's 12 new tokens."""
+    from vlmrl.data import vocabulary_texts
+    from vlmrl.models.tiny import train_tokenizer
+
+    phrases = ["great crested grebe", "black headed gull", "common kingfisher", "barn swallow", "grey heron"]
+    user = [{"id": f"birds.jsonl:{i}", "task": "birds", "images": [], "problem": "Which bird is this?",
+             "solution": p} for i, p in enumerate(phrases * 20)]
+    labels = [f"<answer>{p}</answer>" for p in phrases]
+    builtin = train_tokenizer(vocabulary_texts(0), 512)
+    with_user = train_tokenizer(vocabulary_texts(0) + user_texts(load_config(None, []), user), 512)
+    before = max(len(builtin(t, add_special_tokens=False)["input_ids"]) + 1 for t in labels)
+    after = max(len(with_user(t, add_special_tokens=False)["input_ids"]) + 1 for t in labels)
+    assert before > 12 >= after, (before, after)
+
+
+def test_training_on_labels_longer_than_the_budget_stops_before_any_step(tmp_path, monkeypatch, capsys):
+    import json
+
+    from vlmrl.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    rows = [{"problem": "Describe the bird.", "solution": "a small brown bird with a long curved beak sitting on "
+                                                          "a mossy branch in the rain"}] * 4
+    (tmp_path / "birds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = "{path: birds.jsonl}"
+    code = main(["train", f"data.train={spec}", f"data.sft={spec}", f"data.eval={spec}", "trainer.threads=1",
+                 "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+                 "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64", "model.tiny.vision_depth=1",
+                 "model.tiny.vision_dim=32", "model.tiny.vision_heads=2"])
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # (a library may warn before, e.g. tokenizers about a fork)
+    assert code == 2 and last.startswith("error: rollout.max_new_tokens=12 is too short for the labelled answers"), err
+    metrics = (tmp_path / "runs" / "quickstart" / "metrics.jsonl").read_text()
+    assert '"phase": "sft"' not in metrics and '"phase": "train"' not in metrics  # nothing was trained

@@ -144,7 +144,8 @@ def test_math_that_runs_forever_times_out_without_hanging():
     elapsed = time.monotonic() - start
     assert out.components["accuracy"] == [None, 1.0, 0.0]
     assert out.failures["accuracy"] == 1 and "timed out" in out.errors["accuracy"]
-    assert elapsed < 1.0 + 10.0  # the limit plus worker start-up (sympy import) on a slow machine
+    assert elapsed < 1.0 + 30.0  # the limit plus worker start-up (sympy import) on a loaded 2-core machine; the
+    # pathological power itself would run for hours
     start = time.monotonic()  # the same pathological answer again: cached, no second wait
     assert accuracy_reward(completions[:1], ["(x+1)^2"], math_timeout=1.0)[0] != 1.0
     assert time.monotonic() - start < 0.5

@@ -283,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     # our bars only (the model folder loads and writes are not worth one); read when transformers is first imported,
     # so a command refused up front never pays for importing it
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:  # imported already (a library user calling main): switch its bars off too
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
     try:
         return args.func(args)
     except VlmrlError as e:  # names the key, file, line or sample and the fix: one line, no traceback
