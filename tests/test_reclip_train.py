@@ -122,3 +122,11 @@ def test_scene_graph_judge_on_user_captions_stops_before_the_run(tmp_path, capsy
             f"trainer.output_dir={tmp_path / 'run'}"]
     assert main(args) == 2
     assert "judge.name=exact" in capsys.readouterr().err and not (tmp_path / "run").exists()
+
+
+def test_a_config_changed_in_code_is_checked_before_anything_is_built(tmp_path):
+    cfg = load_reclip_config(None, [f"trainer.output_dir={tmp_path / 'run'}"])
+    cfg.rl.candidates = cfg.rl.batch_size + 1
+    with pytest.raises(ConfigError, match=r"rl.candidates=65 > rl.batch_size=64"):
+        train_reclip(cfg)
+    assert not (tmp_path / "run").exists()

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from vlmrl.configlib import Count, Name, NonNegative, Positive, PositiveInt, Rule, load, section
+from vlmrl.configlib import validate as _validate
 from vlmrl.errors import ConfigError  # noqa: F401  (re-exported: vlmrl.reclip.config.ConfigError)
 from vlmrl.reclip.feedback import DEFAULT_PENALTIES, DEFAULT_VERDICT_WEIGHTS, VERDICTS
 
@@ -143,8 +144,6 @@ def load_reclip_config(path: str | Path | None = None, overrides: list[str] = ()
     return load(ReclipConfig, path, list(overrides), RULES)
 
 
-def check(cfg: ReclipConfig) -> None:
-    """Check a config built or changed in code as a recipe is checked."""
-    from vlmrl.configlib import validate
-
-    validate(cfg, RULES)
+def validate(cfg: ReclipConfig) -> ReclipConfig:
+    """Check a config built or changed in code exactly as a recipe is checked (fields, then `RULES`)."""
+    return _validate(cfg, RULES)

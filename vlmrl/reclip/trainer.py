@@ -23,7 +23,7 @@ import torch
 
 from vlmrl.config import ConfigError, save_config
 from vlmrl.data import DataError
-from vlmrl.reclip.config import ReclipConfig
+from vlmrl.reclip.config import ReclipConfig, validate
 from vlmrl.reclip.data import ZeroShotSet, build_items, zero_shot_sets
 from vlmrl.reclip.embedded import EmbeddedConfig, EmbeddedStudent
 from vlmrl.reclip.evaluate import Encoder, evaluate_student, make_encoders
@@ -203,6 +203,7 @@ def train_reclip(cfg: ReclipConfig, progress: Progress | None = None) -> dict:
     ("final"), the saved students, wall time."""
     progress = progress or Progress()
     t0 = time.perf_counter()
+    validate(cfg)  # a config built or changed in code is checked as a recipe is
     job = prepare(cfg, progress)
     job.summary["start"] = warm_start(job, progress)
     if cfg.trainer.save_students:
