@@ -57,6 +57,25 @@ def test_rewards_list_is_typed(tmp_path):
         load_config(recipe)
 
 
+def test_dotted_overrides_reach_list_items():
+    recipe = ROOT / "recipes/quickstart_judge.yaml"
+    cfg = load_config(recipe, ["rewards.1.kwargs.base_url=http://10.0.0.5:8000/v1", "rewards.0.weight=2.0",
+                               "rewards.1.label=grader"])
+    assert cfg.rewards[1].kwargs["base_url"] == "http://10.0.0.5:8000/v1" and cfg.rewards[1].kwargs["model"] == "judge"
+    assert cfg.rewards[0].weight == 2.0 and cfg.rewards[1].label == "grader"  # a key the recipe's item did not set
+    assert load_config(None, ["rewards.0.kwargs.strict=false"]).rewards[0].kwargs == {"strict": False}
+    with pytest.raises(ConfigError, match=r"'rewards\.2' is out of range: rewards is a list of 2 item\(s\), its "
+                                          r"items are rewards\.0 to rewards\.1"):
+        load_config(recipe, ["rewards.2.kwargs.base_url=http://x/v1"])
+    with pytest.raises(ConfigError, match=r"'rewards\.first' is out of range"):
+        load_config(recipe, ["rewards.first.weight=1"])
+    with pytest.raises(ConfigError, match=r"unknown key 'rewards\.1\.wieght'; allowed keys under rewards\.1: name, "
+                                          r"weight, kwargs, label"):
+        load_config(recipe, ["rewards.1.wieght=1"])
+    with pytest.raises(ConfigError, match=r"rewards\[1\]\.weight: 'heavy' is not allowed; expected a number"):
+        load_config(recipe, ["rewards.1.weight=heavy"])
+
+
 def test_override_syntax():
     assert parse_override("a.b=[1, 2]") == (["a", "b"], [1, 2])
     assert parse_override("trainer.lr=3e-4") == (["trainer", "lr"], 3e-4)

@@ -204,8 +204,24 @@ def test_vocabulary_covers_every_task_problem_and_answer():
 def test_infer_answer_type():
     numbers, texts = ("3", " -2.5 ", "1e3"), ("nan", "red", "3 apples", "[1, 2, 3]", "1,000")
     boxes = ("[1, 2, 3, 4]", "(1,2,3,4.5)", "1 2 3 4")
-    expected = {**dict.fromkeys(numbers, "number"), **dict.fromkeys(texts, "text"), **dict.fromkeys(boxes, "box")}
+    maths = ("\\frac{1}{2}", "(1, 2]", "x+1", "2*pi", "50%", "x^2", "\\{1, 2\\}", "3 \\pm 1")
+    texts += ("well-known", "a-b", "3 apples")
+    expected = {**dict.fromkeys(numbers, "number"), **dict.fromkeys(texts, "text"), **dict.fromkeys(boxes, "box"),
+                **dict.fromkeys(maths, "math")}
     assert {text: infer_answer_type(text) for text in expected} == expected
+
+
+def test_math_solutions_in_a_file_reach_the_math_check(tmp_path):
+    """A user file's LaTeX solution is inferred as math (or declared so), and accuracy checks it for equivalence."""
+    from vlmrl.rewards import REWARDS
+
+    _png(tmp_path / "a.png")
+    rows = [{"image": "a.png", "problem": "Half?", "solution": "\\frac{1}{2}"},
+            {"image": "a.png", "problem": "Root?", "solution": "x^2", "answer_type": "math"}]
+    samples, _ = load_file(_write_jsonl(tmp_path / "math.jsonl", rows))
+    assert [s["answer_type"] for s in samples] == ["math", "math"]
+    columns = {k: [s[k] for s in samples] for k in ("solution", "answer_type")}
+    assert REWARDS["accuracy"](["<answer>0.5</answer>", "<answer>x \\cdot x</answer>"], **columns) == [1.0, 1.0]
 
 
 @settings(max_examples=50, deadline=None)

@@ -1,10 +1,14 @@
-"""The evaluation metrics against numbers worked by hand: pass@k, maj@n, reflection words and ratios."""
+"""The evaluation metrics against numbers worked by hand: pass@k, maj@n, reflection and backtracking words and ratios,
+the reasoning chain, token efficiency and compute per 1,000 rollouts."""
 
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from vlmrl.eval.metrics import (
+    BACKTRACKING_WORDS,
     ReflectionCounts,
     answer_key,
     majority_vote,
@@ -12,6 +16,8 @@ from vlmrl.eval.metrics import (
     pass_at_k,
     reflection_words_in,
 )
+from vlmrl.eval.reasoning import chain_metrics, compute_metrics, reasoning_tokens, rollout_metrics, split_reasoning
+from vlmrl.rewards.parsing import strip_think
 
 
 @pytest.mark.parametrize("n,c,k,expected", [
@@ -122,3 +128,86 @@ def test_empty_denominators_are_undefined_not_zero():
     assert r["accuracy_reflective"] is None  # no reflective answers
     assert r["accuracy_nonreflective"] == 1.0
     assert all(v is None for v in ReflectionCounts().ratios().values())
+
+
+# ------------------------------------------------------------------------------------------------ reasoning, compute
+
+
+def words(texts):  # a stand-in tokenizer: one token per whitespace-separated word
+    return [len(t.split()) for t in texts]
+
+
+CHAINS = [  # (answer, correct, generated tokens): reasoning worked out by hand below
+    ("<think>I see 3 red. Wait, one is orange.</think><answer>2</answer>", True, 20),  # 8 words, backtracks
+    ("<think>count them</think> <answer>4</answer>", False, 10),  # 2 words
+    ("<answer>5</answer>", False, 6),  # no reasoning block
+    ("Actually it is<think>unclosed reasoning about shapes", False, 30),  # unclosed: 4 words, backtracks
+    ("three red</think><answer>3</answer>", True, 8),  # block opened by the prompt's template: 2 words
+]
+
+
+def test_split_reasoning_finds_every_kind_of_block():
+    assert split_reasoning(CHAINS[0][0]) == ("I see 3 red. Wait, one is orange.", "<answer>2</answer>")
+    assert split_reasoning(CHAINS[2][0]) == (None, "<answer>5</answer>")
+    assert split_reasoning(CHAINS[3][0]) == ("unclosed reasoning about shapes", "Actually it is")
+    assert split_reasoning(CHAINS[4][0]) == ("three red", "<answer>3</answer>")
+    assert split_reasoning("<think>a</think>x<think>b c</think>y") == ("a\nb c", "xy")
+    assert split_reasoning("<think> </think><answer>1</answer>") == ("", "<answer>1</answer>")  # empty block: 0
+
+
+@given(st.lists(st.sampled_from(["<think>", "</think>", "a", " b", "<answer>", "\n"]), max_size=12))
+def test_split_reasoning_leaves_what_strip_think_leaves(parts):
+    """The answer part is exactly what the rewards parse (strip_think), for any arrangement of tags."""
+    text = "".join(parts)
+    assert split_reasoning(text)[1] == strip_think(text)
+
+
+def test_chain_metrics_on_crafted_answers():
+    texts, correct, lengths = [t for t, _, _ in CHAINS], [c for _, c, _ in CHAINS], [n for _, _, n in CHAINS]
+    tokens = reasoning_tokens(texts, words)
+    assert tokens == [8, 2, None, 4, 2]
+    assert reasoning_tokens(["<think> </think>x", "y", "<think>a b</think>"], words) == [0, None, 2]  # empty: 0
+    m = chain_metrics(tokens, lengths, correct)
+    assert m["reasoning/length"] == pytest.approx((8 + 2 + 4 + 2) / 4)  # over the 4 answers with a block
+    assert m["reasoning/block_share"] == pytest.approx(4 / 5)
+    assert m["tokens_per_correct"] == pytest.approx((20 + 10 + 6 + 30 + 8) / 2)  # 74 tokens, 2 right
+    none = chain_metrics([None, None], [5, 7], [False, False])
+    assert none == {"reasoning/length": None, "reasoning/block_share": 0.0, "tokens_per_correct": None}
+    with pytest.raises(ValueError, match="one of each per answer"):
+        chain_metrics([1], [1, 2], [True])
+
+
+def test_backtracking_ratios_on_crafted_answers():
+    """Backtracking is the reflection counter on its own word list: A ("Wait") and D ("Actually") backtrack."""
+    counts = ReflectionCounts(BACKTRACKING_WORDS)
+    flags = counts.add([t for t, _, _ in CHAINS], [c for _, c, _ in CHAINS])
+    assert flags == [True, False, False, True, False]
+    r = counts.ratios()
+    assert r["share"] == pytest.approx(2 / 5)
+    assert r["share_correct"] == pytest.approx(1 / 2)  # A of {A, E}
+    assert r["share_incorrect"] == pytest.approx(1 / 3)  # D of {B, C, D}
+    assert r["accuracy_reflective"] == pytest.approx(1 / 2)  # A of {A, D}
+    assert r["accuracy_nonreflective"] == pytest.approx(1 / 3)  # E of {B, C, E}
+    assert reflection_words_in("Hmm, let me  re-check. I'm awaiting; that's wrong", BACKTRACKING_WORDS) == {
+        "hmm": 1, "let me re-check": 1, "that's wrong": 1}
+
+
+def test_compute_per_thousand_rollouts():
+    assert compute_metrics(12.0, 480) == {"compute/seconds_per_1k_rollouts": pytest.approx(25.0)}
+    assert compute_metrics(12.0, 480, gpus=4)["compute/gpu_seconds_per_1k_rollouts"] == pytest.approx(100.0)
+    assert compute_metrics(1.0, 0) == {}
+
+
+def test_rollout_metrics_pool_counts_over_ranks():
+    """Two ranks with the same answers (reduce doubles every count): the ratios stay, the rollouts double, so the
+    wall seconds per 1,000 halve; GPU-seconds = wall x 2 GPUs."""
+    texts, correct, lengths = [t for t, _, _ in CHAINS], [c for _, c, _ in CHAINS], [n for _, _, n in CHAINS]
+    markers = {"backtracking": BACKTRACKING_WORDS}
+    one = rollout_metrics(texts, correct, lengths, words, markers, seconds=0.5)
+    assert one["backtracking/share"] == pytest.approx(2 / 5) and one["reasoning/length"] == pytest.approx(4.0)
+    assert one["compute/seconds_per_1k_rollouts"] == pytest.approx(100.0)  # 1000 * 0.5 / 5
+    two = rollout_metrics(texts, correct, lengths, words, markers, seconds=0.5, gpus=2,
+                          reduce=lambda xs: [2 * x for x in xs])
+    assert two["tokens_per_correct"] == pytest.approx(37.0) and two["backtracking/share"] == pytest.approx(2 / 5)
+    assert two["compute/seconds_per_1k_rollouts"] == pytest.approx(50.0)  # 1000 * 0.5 / 10
+    assert two["compute/gpu_seconds_per_1k_rollouts"] == pytest.approx(100.0)  # 1000 * 0.5 * 2 / 10

@@ -8,7 +8,7 @@ import pytest
 from vlmrl.config import ConfigError, load_config
 from vlmrl.models import PromptTooLongError
 from vlmrl.trainer.limits import check_label_lengths, check_prompt_lengths, user_texts
-from vlmrl.trainer.watch import SignalWatch, truncation_warning
+from vlmrl.trainer.watch import RewardFailureWatch, SignalWatch, truncation_warning
 
 
 def test_a_label_that_cannot_be_generated_whole_is_refused(policy, count_samples):
@@ -81,6 +81,32 @@ def test_truncation_warning():
     assert truncation_warning(0.5, "eval.max_new_tokens", 12, "eval T=0.0") == (
         "eval T=0.0: 50% of answers were cut at eval.max_new_tokens=12 (truncated answers usually score 0); raise "
         "eval.max_new_tokens")
+
+
+def reward_metrics(judge_failed: float, judge_count: float, **judge_counters) -> dict:
+    return {"reward/judge/failures": judge_failed, "reward/judge/count": judge_count, "reward/judge/mean": 0.5,
+            **{f"reward/judge/{k}": v for k, v in judge_counters.items()},
+            # accuracy: 4 values, 4 "does not apply" Nones (not failures), never a failure
+            "reward/accuracy/failures": 0.0, "reward/accuracy/count": 4.0, "reward/failure_rate": 0.0}
+
+
+def test_a_reward_that_keeps_failing_is_named_with_its_counters():
+    watch = RewardFailureWatch(load_config(None, []))
+    said = {s: watch.update(s, reward_metrics(0, 8, timeouts=0)) for s in range(1, 4)}
+    said[4] = watch.update(4, reward_metrics(6, 2, timeouts=6, requests=14))  # 6 / (6 + 26) = 18.75%
+    said[5] = watch.update(5, reward_metrics(6, 2, timeouts=6))  # 12 / 40: still over, said once
+    assert [s for s, text in said.items() if text] == [4]
+    assert said[4] == ("steps 1-4: reward 'judge' failed on 19% of its values (6 of 32; those samples get no loss) "
+                       "[requests 14, timeouts 6]; see reward/judge/* in metrics.jsonl and check it with "
+                       "`vlmrl inspect-reward`")
+    # steps 6-15 score everything; over the last 10 steps: 12/80 = 15% at step 13, 6/80 = 7.5% at 14 (re-armed)
+    assert not any(watch.update(s, reward_metrics(0, 8)) for s in range(6, 16))
+    assert watch.update(16, reward_metrics(8, 0)) is None  # steps 7-16: 8 / 80 = 10%, not over
+    again = watch.update(17, reward_metrics(8, 0))  # steps 8-17: 16 / 80 = 20%
+    assert again.startswith("steps 8-17: reward 'judge' failed on 20% of its values (16 of 80;")
+    assert RewardFailureWatch(load_config(None, [])).update(1, reward_metrics(1, 9)) is None  # 1 / 10: not over
+    first = RewardFailureWatch(load_config(None, [])).update(1, reward_metrics(2, 8))
+    assert first.startswith("step 1: reward 'judge' failed on 20% of its values (2 of 10;")
 
 
 def test_user_words_become_tokens_so_phrase_labels_fit():

@@ -21,7 +21,7 @@ SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num
          "eval.max_new_tokens=6", "trainer.threads=1", "trainer.steps=6", "trainer.eval_every=2",
          "trainer.log_rollouts_every=2", "eval.samples=4", "control.steps=3",
          "eval.ood={task: shapes_count, n: 4}"]
-SECTIONS = ("summary", "before-after", "baselines", "curves", "reflection", "gallery")
+SECTIONS = ("summary", "before-after", "baselines", "curves", "reasoning", "reflection", "worst-tasks", "gallery")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--hide-scrollbars"]
@@ -53,6 +53,20 @@ def test_run_directory_holds_tensorboard_jsonl_and_gallery_images(sweep_root):
     assert [g["step"] for g in gallery] == [1, 2, 4, 6]
     for g in gallery:
         assert (run / g["image"]).exists() and len(g["answers"]) == len(g["rewards"]) == len(g["correct"]) == 3
+    for r in train:  # the reasoning and compute metrics of each step's 2 x 3 rollouts
+        assert {"reasoning/length", "reasoning/block_share", "tokens_per_correct", "backtracking/share",
+                "reflection/share"} <= set(r)
+        assert (r["reasoning/length"] is None) == (r["reasoning/block_share"] == 0.0)  # undefined without a block
+        assert r["compute/seconds_per_1k_rollouts"] == pytest.approx(1000 / r["rollouts_per_second"])
+        right = round(r["accuracy"] * 6)
+        assert r["tokens_per_correct"] == (pytest.approx(r["response_length"] * 6 / right) if right else None)
+    # the final evaluation's answers: 6 samples, greedy (1 answer) and sampled (eval.samples = 4)
+    lines = [json.loads(x) for x in (run / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 12 and {x["step"] for x in lines} == {6}
+    assert sorted(len(x["answers"]) for x in lines) == [1] * 6 + [4] * 6
+    assert all((run / x["images"][0]).exists() for x in lines)
+    assert {"greedy/reward/accuracy", "greedy/tokens_per_correct", "sampled/backtracking/share",
+            "sampled/compute/seconds_per_1k_rollouts"} <= set(evals[-1])
 
 
 def test_report_files_and_sections(report):
@@ -62,6 +76,7 @@ def test_report_files_and_sections(report):
     srcs = re.findall(r'<img[^>]*src="([^"]+)"', page)
     assert {"eval_accuracy.png", "train_curves.png", "pass_at_k.png", "baselines.png"} <= set(srcs)
     assert sum(s.startswith("gallery/") for s in srcs) == 3  # early, middle, late
+    assert sum(s.startswith("samples/") for s in srcs) == 4  # the one task's 4 least accurate samples
     for src in srcs:  # relative paths inside the report folder: self-contained
         assert not src.startswith(("/", "file:", "http")) and (report.parent / src).stat().st_size > 100
     assert "SFT control (same wall time)" in page and "How many" in page and "Mean ± std over 2 seeds" in page
@@ -155,3 +170,63 @@ def test_gallery_shows_judge_feedback_and_undefined_ratios(tmp_path):
     assert "&lt;answer&gt;4&lt;/answer&gt;" in page and "✗" in page and "✓" in page
     assert "+50.0" in page  # greedy accuracy 25% -> 75%
     assert re.search(r"accuracy_reflective</td><td>undefined</td><td>undefined", page)
+
+
+def _hand_run(tmp_path, eval_row: dict, lines: list[dict]) -> Path:
+    from PIL import Image
+
+    run = tmp_path / "run"
+    (run / "eval_samples_images").mkdir(parents=True)
+    for line in lines:
+        for ref in line["images"]:
+            Image.new("RGB", (56, 56), "white").save(run / ref)
+    rows = [{"phase": "eval", "step": 0, **eval_row}, {"phase": "train", "step": 1, "accuracy": 0.5},
+            {"phase": "eval", "step": 1, **eval_row}]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    (run / "eval_samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    return run
+
+
+def _line(task: str, i: int, correct: list[bool], temperature: float = 0.0) -> dict:
+    return {"id": f"{task}-{i}", "task": task, "problem": f"question {task} {i}?", "solution": "3",
+            "temperature": temperature, "images": [f"eval_samples_images/{task}-{i}.png"], "step": 1,
+            "accuracy": sum(correct) / len(correct),
+            "answers": [{"text": f"<answer>{task} {i} {j}</answer>", "correct": c, "truncated": False, "length": 5,
+                         "reward": float(c), "components": {"accuracy": float(c)}, "reasoning_tokens": None}
+                        for j, c in enumerate(correct)]}
+
+
+def test_worst_tasks_link_to_their_samples(tmp_path):
+    """Greedy accuracy by task, worked by hand: boxes 0/2 = 0, count 1/4 = 0.25, digits 1/2 = 0.5, color 1/1 = 1.
+    The three worst are listed in that order, each linking to its samples (least accurate first); color, and the
+    sampled pass (temperature 1, all wrong), are not shown."""
+    lines = [_line("count", 0, [True, False]), _line("count", 1, [False, False]), _line("color", 0, [True]),
+             _line("digits", 0, [False]), _line("digits", 1, [True]), _line("boxes", 0, [False, False]),
+             _line("color", 1, [False, False], temperature=1.0)]
+    ev = {"greedy/accuracy": 0.5, "greedy/reward/accuracy": 0.5, "greedy/tokens_per_correct": 12.0,
+          "greedy/reasoning/length": None}
+    page = write_report([_hand_run(tmp_path, ev, lines)]).read_text()
+    section = page[page.index('id="worst-tasks"'):page.index('id="gallery"')]
+    links = re.findall(r'<a href="#([^"]+)">([^<]+)</a></td><td>([^<]+)</td>', section)
+    assert links == [("samples-boxes", "boxes", "0.0"), ("samples-count", "count", "25.0"),
+                     ("samples-digits", "digits", "50.0")]
+    for anchor, _, _ in links:  # every link lands on a card
+        assert f'id="{anchor}"' in section
+    titles = re.findall(r"<h3>([^<]+)</h3>", section)
+    assert titles == ["boxes: sample boxes-0 (0.0 right)", "count: sample count-1 (0.0 right)",
+                      "count: sample count-0 (50.0 right)", "digits: sample digits-0 (0.0 right)",
+                      "digits: sample digits-1 (100.0 right)"]
+    assert "question color" not in section and "&lt;answer&gt;count 1 0&lt;/answer&gt;" in section
+    srcs = re.findall(r'<img[^>]*src="([^"]+)"', section)
+    assert len(srcs) == 5 and all((tmp_path / "run" / "report" / s).exists() for s in srcs)
+    # reward components and token counts are numbers, not percentages; an undefined chain length says so
+    assert re.search(r"greedy/reward/accuracy</td><td>0.50</td><td>0.50</td><td>0.00", page)
+    assert re.search(r"greedy/tokens_per_correct</td><td>12.00</td>", page)
+    assert re.search(r"greedy/reasoning/length</td><td>undefined</td>", page)
+
+
+def test_report_without_eval_samples_says_how_to_get_them(tmp_path):
+    run = _hand_run(tmp_path, {"greedy/accuracy": 0.5}, [])
+    (run / "eval_samples.jsonl").unlink()
+    page = write_report([run]).read_text()
+    assert "--samples-out RUN_DIR/eval_samples.jsonl" in page

@@ -354,7 +354,7 @@ def test_resolve_reward_from_file_and_module(tmp_path, monkeypatch):
         resolve_reward(f"{path}:whisper")
     with pytest.raises(FileNotFoundError):
         resolve_reward("missing.py:shout")
-    with pytest.raises(ValueError, match="registered rewards: accuracy, classification, counting, detection, format, giou, iou, judge"):
+    with pytest.raises(ValueError, match="registered rewards: accuracy, bleu, classification, counting, detection, exact_match, format"):
         resolve_reward("nope")
 
 

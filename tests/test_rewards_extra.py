@@ -16,7 +16,6 @@ from vlmrl.rewards import (
     process_reward,
 )
 from vlmrl.rewards.boxes import detection_score, match_boxes
-from vlmrl.rewards.mathcheck import to_sympy_text
 from vlmrl.rewards.verifiable import choice_index
 
 # ------------------------------------------------------------------------------------------------ classification
@@ -145,7 +144,7 @@ def test_accuracy_math_symbolic():
     assert acc("x+2", "x+1") == 0.0
     assert acc("__import__('os').system('true')", "x+1") == 0.0  # never reaches eval
     assert acc("", "x+1") == 0.0
-    assert to_sympy_text("a.__class__") is None and to_sympy_text("x = \\frac12") == "((1)/(2))"
+    assert acc("a.__class__", "x") == 0.0 and acc("x = \\frac12", "0.5", answer_type="math") == 1.0
 
 
 def test_accuracy_multiple_choice():

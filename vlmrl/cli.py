@@ -1,4 +1,4 @@
-"""The `vlmrl` command line: train, eval, report, data. The CLI owns console output and progress bars."""
+"""The `vlmrl` command line: train, eval, report, data, serve. The CLI owns console output and progress bars."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def cmd_eval(args) -> int:
         print(f"{report.path}: skipped {report.skipped} bad rows", file=sys.stderr)
     policy = load_policy(ckpt, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels)
     rewards = [RewardSpec.from_config(r) for r in cfg.rewards]
-    results, full = {}, {}
+    results, full, evaluations = {}, {}, []
     progress = BarProgress()
     for temperature in args.temperatures or cfg.eval.temperatures:
         progress.start(f"eval T={temperature}", len(samples))
@@ -126,19 +126,27 @@ def cmd_eval(args) -> int:
                        batch_size=cfg.eval.batch_size, template=cfg.data.prompt_template,
                        max_prompt_length=cfg.data.max_prompt_length, rewards=rewards, seed=cfg.trainer.seed,
                        progress=progress.advance, n=args.samples, ks=args.k or cfg.eval.pass_k,
-                       reflection_words=cfg.eval.reflection_words)
+                       reflection_words=cfg.eval.reflection_words, backtracking_words=cfg.eval.backtracking_words)
         progress.end()
         warning = truncation_warning(res["metrics"].get("truncated_share", 0.0), "eval.max_new_tokens",
                                      cfg.eval.max_new_tokens, f"eval T={temperature}")
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
         full[f"T={temperature}"] = res
+        evaluations.append((temperature, res))
         # the flat metrics at the top of each temperature; the breakdowns beside them
-        results[f"T={temperature}"] = {**res["metrics"], "per_task": res["per_task"], "reflection": res["reflection"]}
+        results[f"T={temperature}"] = {**res["metrics"], "per_task": res["per_task"], "reflection": res["reflection"],
+                                       "backtracking": res["backtracking"]}
     print(eval_table(full))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
         print(f"wrote {args.out}")
+    if args.samples_out:
+        from vlmrl.eval.samples import write_samples
+
+        lines = write_samples(args.samples_out, evaluations, samples)
+        print(f"wrote {args.samples_out}: {lines} lines ({len(samples)} samples x {len(evaluations)} temperatures; "
+              "answers, rewards, correctness)")
     return 0
 
 
@@ -225,8 +233,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     e = sub.add_parser("eval", help="evaluate a checkpoint or model folder on held-out data",
-                       description="Accuracy, mean reward and answer length of CHECKPOINT on the recipe's held-out "
-                                   "set (its config.yaml), or on --data (a task name or a JSONL/parquet file).")
+                       description="Accuracy, pass@k, rewards (total and each component), answer and reasoning "
+                                   "length, reflection and backtracking of CHECKPOINT on the recipe's held-out set "
+                                   "(its config.yaml), or on --data (a task name or a JSONL/parquet file).")
     e.add_argument("checkpoint", help="a run directory (its latest complete checkpoint), RUN_DIR/checkpoint-N, a "
                                       "model folder or a hub name")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
@@ -239,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answers per sample at temperature > 0, for pass@k, mean@n and maj@n (greedy takes 1)")
     e.add_argument("--k", type=int, nargs="+", help="pass@k values to report (default eval.pass_k; k <= --samples)")
     e.add_argument("--out", help="also write the results as JSON here")
+    e.add_argument("--samples-out", metavar="JSONL",
+                   help="also write every sample here, one JSON line per sample and temperature: id, task, question, "
+                        "solution, images, and each answer with its reward components, correctness and truncation")
     e.set_defaults(func=cmd_eval)
 
     r = sub.add_parser("report", help="write an HTML report (curves, tables, rollout gallery) of runs",
@@ -268,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_export(sub)
     from vlmrl.reclip.cli import add_parser as add_reclip
     add_reclip(sub)
+    from vlmrl.serve.cli import add_parser as add_serve
+    add_serve(sub)
     return p
 
 

@@ -204,6 +204,7 @@ class EvalConfig:
     pass_k: list[PositiveInt] = field(default_factory=lambda: [1, 2, 4, 8])  # pass@k reported for each k <= samples
     temperatures: list[NonNegative] = field(default_factory=lambda: [0.0, 0.6, 1.0])  # `vlmrl eval`'s temperatures
     reflection_words: list[str] | None = None  # words marking a reflective answer (null = MAYE's list)
+    backtracking_words: list[str] | None = None  # words marking backtracking/self-correction (null = vlmrl's list)
     # OOD sets evaluated by --control/--seeds: "auto" (the ood split of data.eval's tasks), a data spec, {name: spec}
     # (a task spec may set split: test), or null; see docs/evaluation.md
     ood: Any = "auto"  # "auto" = the ood split of data.eval's built-in tasks; a spec; {name: spec}; null = none

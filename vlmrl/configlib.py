@@ -220,34 +220,59 @@ def _looks_numeric(s: str) -> bool:
     return True
 
 
+def _section_type(dotted: str, cls):
+    """The section class at the dotted key (a number indexes a list of sections: `rewards.1` is a reward entry), or
+    None where the key is not a typed section but a free-form value."""
+    tp = cls
+    for part in dotted.split(".") if dotted else []:
+        if dataclasses.is_dataclass(tp):
+            hints = _hints(tp)
+            if part not in hints:
+                return None
+            tp = _strip(hints[part])
+        elif typing.get_origin(tp) is list and part.isdigit():
+            tp = _strip(typing.get_args(tp)[0])
+        else:
+            return None
+    return tp if dataclasses.is_dataclass(tp) else None
+
+
 def _is_section(dotted: str, cls) -> bool:
     """True where the key is a typed config section (so its keys are validated), not a free-form mapping."""
-    for part in dotted.split("."):
-        hints = _hints(cls)
-        if part not in hints or not dataclasses.is_dataclass(_strip(hints[part])):
-            return False
-        cls = _strip(hints[part])
-    return True
+    return _section_type(dotted, cls) is not None
 
 
 def _set_dotted(data: dict, path: list[str], value, cls) -> None:
     """Apply one command-line override. Keys of typed sections are checked here; inside a free-form value (a data
-    spec, reward kwargs) the key is set as given and checked by whatever reads it, still before any model is built."""
+    spec, reward kwargs) the key is set as given and checked by whatever reads it, still before any model is built.
+    A number indexes a list (`rewards.1.kwargs.base_url=...`); it must name an item that exists."""
     node = data
     for i, part in enumerate(path):
-        dotted = ".".join(path[:i])
-        if (i == 0 or _is_section(dotted, cls)) and part not in node:
-            raise ConfigError(f"command line: unknown key {'.'.join(path[:i + 1])!r}; allowed keys under "
-                              f"{dotted or 'the top'}: {', '.join(node)}")
-        if i == len(path) - 1:
-            node[part] = value
-        elif isinstance(node.get(part), dict):
-            node = node[part]
-        elif node.get(part) is None and not _is_section(".".join(path[:i + 1]), cls):
-            node[part] = {}
-            node = node[part]
+        dotted, here = ".".join(path[:i]), ".".join(path[:i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                items = f"its items are {dotted}.0 to {dotted}.{len(node) - 1}" if node else "it is empty"
+                raise ConfigError(f"override {'.'.join(path)}: {here!r} is out of range: {dotted} is a list of "
+                                  f"{len(node)} item(s), {items} (a recipe adds items)")
+            key: Any = int(part)
         else:
-            raise ConfigError(f"override {'.'.join(path)}: {'.'.join(path[:i + 1])} is not a section")
+            section_cls = _section_type(dotted, cls)
+            names = [f.name for f in dataclasses.fields(section_cls)] if section_cls is not None else None
+            if names is not None and part not in names:
+                raise ConfigError(f"command line: unknown key {here!r}; allowed keys under "
+                                  f"{dotted or 'the top'}: {', '.join(names)}")
+            key = part
+        if i == len(path) - 1:
+            node[key] = value
+            return
+        child = node[key] if isinstance(node, list) else node.get(key)
+        if isinstance(child, (dict, list)):
+            node = child
+        elif child is None and not _is_section(here, cls):
+            node[key] = {}
+            node = node[key]
+        else:
+            raise ConfigError(f"override {'.'.join(path)}: {here} is not a section")
 
 
 def _merge(base: dict, new: dict, source, cls, prefix: str = "") -> None:

@@ -9,7 +9,8 @@ contract) and user columns pass through untouched. Every sample has at least:
   see ``vlmrl.data.images``). Use it as a read-only sequence; ``list(sample["images"])`` gives a plain list
 - ``problem``: the question shown to the model, without answer-format instructions (the trainer adds those)
 - ``solution``: the ground truth as text: ``"3"``, ``"red"`` or a box ``"[x1, y1, x2, y2]"`` in absolute pixels
-- ``answer_type``: ``"number"``, ``"text"`` or ``"box"``
+- ``answer_type``: ``"number"``, ``"text"``, ``"box"``, ``"math"`` (an expression such as ``\\frac{1}{2}``, ``x+1`` or
+  ``(1, 2]``, checked for equivalence by math-verify) or ``"choice"`` (a multiple-choice letter)
 - ``task``: the task name, or the file stem for user data
 """
 
@@ -33,10 +34,13 @@ from .images import LazyImages
 Sample = dict[str, Any]
 """One dataset row; see the module docstring for the required keys."""
 
-ANSWER_TYPES: tuple[str, ...] = ("number", "text", "box")
+ANSWER_TYPES: tuple[str, ...] = ("number", "text", "box", "math", "choice")
 REQUIRED_KEYS: tuple[str, ...] = ("id", "images", "problem", "solution", "answer_type", "task")
 SPLITS: tuple[str, ...] = ("train", "test", "ood")
 
+_MATH_HINT = re.compile(r"\\[A-Za-z{%]|\^|sqrt\(|\d\s*%")  # a LaTeX command or escape (`\{`, `\%`), a power, a percentage
+_INTERVAL = re.compile(r"\s*[\[(][^,()\[\]]*,[^,()\[\]]*[\])]\s*")  # (1, 2], [0, 1)
+_EXPRESSION = re.compile(r"[0-9A-Za-z\s+\-*/().]+")
 _NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
 
 
@@ -80,11 +84,17 @@ def parse_box(text: str) -> list[float] | None:
 
 
 def infer_answer_type(solution: str) -> str:
-    """``"box"`` if the solution parses as four numbers, ``"number"`` if it parses as one, else ``"text"``."""
+    """``"box"`` if the solution parses as four numbers, ``"number"`` if it parses as one, ``"math"`` if it is an
+    expression (a LaTeX command, ``^``, a percentage, an interval, or digits with operators such as ``x+1`` or
+    ``2*pi``), else ``"text"``. Text stays text: ``"ab"`` is not the product a*b, ``"3 apples"`` is not math."""
     if parse_box(solution) is not None:
         return "box"
     if parse_number(solution) is not None:
         return "number"
+    digits = re.search(r"\d", solution)
+    expression = _EXPRESSION.fullmatch(solution) and digits and re.search(r"[+\-*/]", solution)
+    if _MATH_HINT.search(solution) or expression or (digits and _INTERVAL.fullmatch(solution)):
+        return "math"
     return "text"
 
 

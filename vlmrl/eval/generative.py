@@ -1,22 +1,29 @@
 """Held-out evaluation of a generative policy: n answers per prompt at one temperature, scored with MAYE's metrics.
 
-`evaluate` returns flat summary metrics (what the trainer logs) and, beside them, a per-task breakdown, the reflection
-counts and per-prompt records. The formulas live in `vlmrl.eval.metrics`:
+`evaluate` returns flat summary metrics (what the trainer logs) and, beside them, a per-task breakdown, the marker
+counts (reflection, backtracking) and per-prompt records. The formulas live in `vlmrl.eval.metrics` and
+`vlmrl.eval.reasoning`:
 
 - accuracy = mean@n: the share of all answers that are right (equal to the mean of pass@1)
 - pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) per prompt, averaged over prompts (k <= n)
 - maj@n: the share of prompts whose most frequent well-formed answer is right
 - mean_length (tokens) and truncated_share (answers that hit max_new_tokens without an end token)
-- reflection/*: the five ratios over pooled counts, None where the denominator is empty
+- mean_reward (the total) and reward/<component>: means over the answers that have a value (a failed reward is left
+  out, and counted in reward_failed_samples and reward/<component>/failures)
+- reasoning/length, reasoning/block_share, tokens_per_correct: the reasoning chain and token efficiency
+- reflection/* and backtracking/*: the five ratios over pooled counts, None where the denominator is empty
+- compute/seconds_per_1k_rollouts (and compute/gpu_seconds_per_1k_rollouts on a GPU): the evaluation's cost
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from vlmrl.eval.metrics import REFLECTION_WORDS, ReflectionCounts, answer_key, majority_vote, mean_pass_at_k
+from vlmrl.eval.metrics import ReflectionCounts, answer_key, majority_vote, marker_sets, mean_pass_at_k
+from vlmrl.eval.reasoning import chain_counts, chain_ratios, compute_metrics, reasoning_tokens, token_counter
 from vlmrl.models.policy import Policy
 from vlmrl.rewards import REWARDS, RewardSpec, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
@@ -31,12 +38,13 @@ def correctness(completions: list[str], columns: dict[str, list], iou_threshold:
             for a, i in zip(acc, iou, strict=True)]
 
 
-def summarize(records: list[dict], ks: Sequence[int]) -> dict[str, float]:
-    """Accuracy metrics of per-prompt records (each with `answers_correct`, `lengths`, `truncated`, `vote`)."""
+def summarize(records: list[dict], ks: Sequence[int]) -> dict[str, float | None]:
+    """Accuracy, reward, length and reasoning metrics of per-prompt records (each with `answers_correct`, `lengths`,
+    `truncated`, `vote`, `reasoning_tokens`, and `rewards` / `components` when rewards were computed)."""
     correct = [r["answers_correct"] for r in records]
     n = len(correct[0])
     answers = sum(len(c) for c in correct)
-    out = {"accuracy": sum(map(sum, correct)) / answers}
+    out: dict[str, float | None] = {"accuracy": sum(map(sum, correct)) / answers}
     for k in sorted({1, *ks}):
         if k <= n:
             out[f"pass@{k}"] = mean_pass_at_k(correct, k)
@@ -45,8 +53,20 @@ def summarize(records: list[dict], ks: Sequence[int]) -> dict[str, float]:
         out[f"maj@{n}"] = sum(r["vote"] for r in records) / len(records)
     out["mean_length"] = sum(sum(r["lengths"]) for r in records) / answers
     out["truncated_share"] = sum(sum(r["truncated"]) for r in records) / answers
+    if records[0].get("rewards") is not None:
+        out["mean_reward"] = _mean(v for r in records for v in r["rewards"])
+        for key in records[0]["components"]:
+            out[f"reward/{key}"] = _mean(v for r in records for v in r["components"][key])
+    flat = lambda key: [v for r in records for v in r[key]]  # noqa: E731
+    out.update(chain_ratios(chain_counts(flat("reasoning_tokens"), flat("lengths"), flat("answers_correct"))))
     out["n"] = len(records)
     return out
+
+
+def _mean(values) -> float | None:
+    """Mean of the values that are not None (a failed or not applicable reward); None when there are none."""
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
 
 
 @torch.no_grad()
@@ -54,12 +74,13 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
              batch_size: int = 64, template: str = "{problem}", max_prompt_length: int | None = None,
              rewards: list[RewardSpec] | None = None, seed: int = 0,
              progress: Callable[..., None] | None = None, n: int = 1, ks: Sequence[int] = (),
-             reflection_words: Sequence[str] | None = None) -> dict:
+             reflection_words: Sequence[str] | None = None, backtracking_words: Sequence[str] | None = None) -> dict:
     """`n` answers per held-out sample at `temperature` (0 = greedy, which always takes n = 1: its answers are equal).
 
     `batch_size` counts answers per generation call (prompts per call = batch_size // n). `ks`: the pass@k values to
-    report (pass@1 always; k > n is skipped). Returns {"metrics": flat scalars, "per_task": {task: metrics},
-    "reflection": {"ratios", "counts", "words"}, "records": one per sample}.
+    report (pass@1 always; k > n is skipped). `reflection_words` / `backtracking_words`: the marker word lists (None:
+    the defaults in vlmrl.eval.metrics). Returns {"metrics": flat scalars, "per_task": {task: metrics},
+    "reflection" and "backtracking": {"ratios", "counts", "words"}, "records": one per sample, in sample order}.
     """
     if not samples:
         raise ValueError("evaluate: no samples; check the eval data spec (data.eval or --data)")
@@ -68,9 +89,12 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
         raise ValueError(f"evaluate: n={n} answers per prompt; use n >= 1")
     was_training = policy.model.training
     policy.model.eval()
+    t0 = time.perf_counter()
     generator = torch.Generator(device=policy.model.device).manual_seed(seed)
-    reflection = ReflectionCounts(tuple(reflection_words or REFLECTION_WORDS))
-    totals, records, failed = [], [], 0
+    markers = {name: ReflectionCounts(words) for name, words in marker_sets(reflection_words,
+                                                                            backtracking_words).items()}
+    count_tokens = token_counter(policy.processor.tokenizer)
+    records, failed, component_failures = [], 0, {}
     step = max(1, batch_size // n)
     for start in range(0, len(samples), step):
         chunk = samples[start:start + step]
@@ -80,36 +104,46 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
         columns["completion_truncated"] = rollout.truncated.tolist()
         columns["completion_lengths"] = rollout.lengths.tolist()
         ok = correctness(rollout.texts, columns)
-        reflective = reflection.add(rollout.texts, ok)
+        flags = {name: counts.add(rollout.texts, ok) for name, counts in markers.items()}
+        totals, components = None, {}
         if rewards:
             scores = compute_rewards(rewards, rollout.texts, columns)
-            failed += int((~scores.scored()).sum())  # a failed reward is not a score: left out, counted
-            totals += scores.total[scores.scored()].tolist()
+            scored = scores.scored().tolist()
+            failed += scored.count(False)  # a failed reward is not a score: left out, counted
+            totals = [t if s else None for t, s in zip(scores.total.tolist(), scored, strict=True)]
+            components = scores.components
+            for key, lost in scores.failures.items():
+                component_failures[key] = component_failures.get(key, 0) + lost
         lengths, truncated = rollout.lengths.tolist(), rollout.truncated.tolist()
+        chains = reasoning_tokens(rollout.texts, count_tokens)
         for i, s in enumerate(chunk):
             rows = slice(i * n, (i + 1) * n)  # the answers of prompt i are contiguous
             texts, good = rollout.texts[rows], ok[rows]
             keys = [answer_key(t, tr, s.get("answer_type")) for t, tr in zip(texts, truncated[rows], strict=True)]
-            records.append({"id": s["id"], "task": s.get("task", ""), "solution": s["solution"],
-                            "answer": texts[0], "correct": good[0], "answers": texts, "answers_correct": good,
-                            "lengths": lengths[rows], "truncated": truncated[rows], "reflective": reflective[rows],
-                            "vote": majority_vote(keys, good)})
+            records.append({"id": s["id"], "task": s.get("task", ""), "problem": s.get("problem", ""),
+                            "solution": s["solution"], "answer": texts[0], "correct": good[0], "answers": texts,
+                            "answers_correct": good, "lengths": lengths[rows], "truncated": truncated[rows],
+                            "markers": {name: f[rows] for name, f in flags.items()},
+                            "reasoning_tokens": chains[rows], "vote": majority_vote(keys, good),
+                            "rewards": None if totals is None else totals[rows],
+                            "components": {k: v[rows] for k, v in components.items()}})
         if progress:
             done = sum(sum(r["answers_correct"]) for r in records) / (len(records) * n)
             progress(len(chunk), acc=f"{done:.2f}")  # live accuracy for a progress bar
     policy.model.train(was_training)
     metrics = summarize(records, ks)
     metrics["samples_per_prompt"] = n
-    if totals:
-        metrics["mean_reward"] = sum(totals) / len(totals)
     if rewards:
         metrics["reward_failed_samples"] = float(failed)
-    metrics.update({f"reflection/{k}": v for k, v in reflection.ratios().items()})
+        metrics.update({f"reward/{k}/failures": float(v) for k, v in component_failures.items()})
+    for name, counts in markers.items():
+        metrics.update({f"{name}/{k}": v for k, v in counts.ratios().items()})
+    gpus = 1 if torch.device(policy.model.device).type == "cuda" else 0
+    metrics.update(compute_metrics(time.perf_counter() - t0, len(records) * n, gpus))
     tasks = sorted({r["task"] for r in records})
     per_task = {t: summarize([r for r in records if r["task"] == t], ks) for t in tasks}
     if len(tasks) > 1:
         metrics.update({f"task/{t}/{k}": v for t, m in per_task.items() for k, v in m.items()})
-    return {"metrics": metrics, "per_task": per_task,
-            "reflection": {"ratios": reflection.ratios(), "counts": reflection.counts(),
-                           "words": reflection.frequencies()},
-            "records": records}
+    return {"metrics": metrics, "per_task": per_task, "records": records,
+            **{name: {"ratios": c.ratios(), "counts": c.counts(), "words": c.frequencies()}
+               for name, c in markers.items()}}

@@ -1,8 +1,10 @@
-"""Pure evaluation metrics: pass@k, majority vote, reflection words. No torch, no model: lists in, numbers out.
+"""Pure evaluation metrics: pass@k, majority vote, marker words (reflection, backtracking). No torch, no model: lists
+in, numbers out.
 
 These follow MAYE's evaluation scheme (pass@k, mean@n, maj@n, reflection ratios) with two of its shortcuts fixed:
 pass@k is the unbiased estimator over n >= k samples (not "any of k samples right"), and reflection words are
-matched on word boundaries (so "await" is not "wait").
+matched on word boundaries (so "await" is not "wait"). The same counter, on a second word list, measures
+backtracking (self-correction): answers that abandon or revise a step ("wait", "actually", "let me re-check").
 """
 
 from __future__ import annotations
@@ -20,6 +22,18 @@ REFLECTION_WORDS: tuple[str, ...] = (
     "re-check", "re-evaluate", "re-examine", "re-think", "recheck", "reevaluate", "reexamine", "reevaluation",
     "rethink", "check again", "think again", "try again", "verify", "wait", "yet",
 )
+# markers of backtracking / self-correction (R1-style "aha" turns); `eval.backtracking_words` replaces it
+BACKTRACKING_WORDS: tuple[str, ...] = (
+    "wait", "actually", "hmm", "oops", "let me re-check", "let me recheck", "let me check again",
+    "let me reconsider", "let me try again", "on second thought", "i made a mistake", "that's wrong",
+    "that is wrong", "that's not right", "scratch that",
+)
+
+
+def marker_sets(reflection: Sequence[str] | None = None, backtracking: Sequence[str] | None = None
+                ) -> dict[str, tuple[str, ...]]:
+    """The word lists counted in every evaluation and RL step, by metric prefix; None takes the default list."""
+    return {"reflection": tuple(reflection or REFLECTION_WORDS), "backtracking": tuple(backtracking or BACKTRACKING_WORDS)}
 
 
 # ------------------------------------------------------------------------------------------------ pass@k, mean, maj
@@ -107,7 +121,8 @@ def _ratio(num: int, den: int) -> float | None:
 class ReflectionCounts:
     """Pooled counts over answers; add batches with `add`, read the ratios with `ratios` (never averaged per batch).
 
-    reflective = the answer contains at least one reflection word."""
+    reflective = the answer contains at least one word of `words`: MAYE's reflection words by default; with
+    `BACKTRACKING_WORDS` the same counts and ratios measure backtracking."""
 
     words: tuple[str, ...] = REFLECTION_WORDS
     answers: int = 0

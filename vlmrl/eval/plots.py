@@ -63,7 +63,9 @@ def eval_curves(runs: list[Run], out: Path) -> Path | None:
 TRAIN_PANELS = [("accuracy", "train accuracy"), ("reward/total/mean", "reward (total)"),
                 ("response_length", "answer length (tokens)"), ("entropy", "entropy"),
                 ("clip_fraction", "clip fraction"), ("zero_variance_groups", "zero-variance groups"),
-                ("kl", "KL to reference"), ("truncated_share", "share hitting the length limit")]
+                ("kl", "KL to reference"), ("truncated_share", "share hitting the length limit"),
+                ("reasoning/length", "reasoning length (tokens)"), ("tokens_per_correct", "tokens per correct answer"),
+                ("backtracking/share", "share of answers backtracking")]
 
 
 def train_curves(runs: list[Run], out: Path) -> Path | None:
@@ -71,6 +73,7 @@ def train_curves(runs: list[Run], out: Path) -> Path | None:
     reward component too."""
     plt = _pyplot()
     keys = {k for r in runs for row in r.rows if row["phase"] == "train" for k in row}
+    keys = {k for k in keys if any(r.series("train", k) for r in runs)}  # a value at some step, not only undefined
     components = sorted(k for k in keys if k.startswith("reward/") and k.endswith("/mean") and k != "reward/total/mean")
     panels = [(k, t) for k, t in TRAIN_PANELS if k in keys] + [(k, k[7:-5] + " reward") for k in components]
     if not panels:

@@ -1,6 +1,7 @@
 """`vlmrl report RUN_DIR [RUN_DIR ...]`: a self-contained HTML page (index.html + PNGs in one folder) that shows
 how a model learned: a before/after table, the start/RL/control table on in-distribution and OOD splits, learning
-curves with seed bands, pass@k, reflection ratios, and a rollout gallery from early, middle and late steps.
+curves with seed bands, pass@k, reasoning and compute, reflection and backtracking ratios, the worst tasks of the final
+evaluation with their samples (RUN_DIR/eval_samples.jsonl), and a rollout gallery from early, middle and late steps.
 
 Images are files beside index.html, referenced by relative paths, so the folder can be zipped or served as is.
 """
@@ -13,10 +14,16 @@ import shutil
 from pathlib import Path
 
 from vlmrl.eval import plots
+from vlmrl.eval.metrics import marker_sets
 from vlmrl.eval.runs import Run, discover, load_run, mean_std
+from vlmrl.eval.samples import EVAL_SAMPLES, read_samples, worst_tasks
 
 REFLECTION_RATIOS = ("share", "share_correct", "share_incorrect", "accuracy_reflective", "accuracy_nonreflective")
+MARKER_SETS = tuple(marker_sets())  # reflection, backtracking: each with the five ratios above
+REASONING_KEYS = ("reasoning/length", "reasoning/block_share", "tokens_per_correct", "backtracking/share",
+                  "compute/seconds_per_1k_rollouts", "compute/gpu_seconds_per_1k_rollouts")
 ARM_NAMES = {"start": "start (after SFT)", "rl": "RL", "control_sft": "SFT control (same wall time)"}
+WORST_TASKS, SAMPLES_PER_TASK = 3, 4
 
 
 def fmt(mean: float | None, std: float | None = None, pct: bool = True) -> str:
@@ -29,24 +36,31 @@ def fmt(mean: float | None, std: float | None = None, pct: bool = True) -> str:
     return text + (f" ± {scale * std:.{digits}f}" if std is not None else "")
 
 
-def _is_rate(key: str) -> bool:
-    return not key.endswith(("mean_length", "/n", "samples_per_prompt", "mean_reward"))
+def is_rate(key: str) -> bool:
+    """Whether a metric is a share (shown in percent): not a count, length, reward, time or tokens-per-answer."""
+    parts = key.split("/")
+    if "reward" in parts[:-1] or "compute" in parts or parts[-1] == "n":
+        return False
+    return not key.endswith(("mean_length", "samples_per_prompt", "mean_reward", "reward_failed_samples",
+                             "tokens_per_correct", "reasoning/length"))
 
 
-def before_after(runs: list[Run]) -> list[tuple[str, str, str, str]]:
-    """Rows (metric, start, final, change) from each run's first and last eval rows, mean ± std over seeds."""
+def before_after(runs: list[Run], keys: list[str] | None = None) -> list[tuple[str, str, str, str]]:
+    """Rows (metric, start, final, change) from each run's first and last eval rows, mean ± std over seeds. `keys`
+    default: the accuracy, reward and length metrics (greedy/ and sampled/), reflection/share."""
     firsts = [r.evals()[0] for r in runs if r.evals()]
     lasts = [r.evals()[-1] for r in runs if r.evals()]
     if not firsts:
         return []
-    # pass@1 and mean@n equal accuracy, so they are not repeated
-    keys = [k for k in firsts[0] if k.startswith(("greedy/", "sampled/")) and "/task/" not in k
-            and not k.endswith(("/n", "samples_per_prompt", "/pass@1")) and "reflection/" not in k
-            and "/mean@" not in k]
-    keys += [k for k in firsts[0] if k.endswith("reflection/share")]
+    if keys is None:  # pass@1 and mean@n equal accuracy, so they are not repeated; the reasoning rows have their own
+        keys = [k for k in firsts[0] if k.startswith(("greedy/", "sampled/")) and "/task/" not in k
+                and not k.endswith(("/n", "samples_per_prompt", "/pass@1", "/failures"))
+                and not any(f"/{m}/" in k for m in MARKER_SETS) and "/mean@" not in k
+                and not k.split("/", 1)[1].startswith(REASONING_KEYS + ("reasoning/",))]
+        keys += [k for k in firsts[0] if k.endswith("reflection/share")]
     rows = []
     for key in keys:
-        pct = _is_rate(key)
+        pct = is_rate(key)
         a = [f.get(key) for f in firsts]
         b = [f.get(key) for f in lasts]
         diff = [y - x for x, y in zip(a, b, strict=True) if x is not None and y is not None]
@@ -55,6 +69,13 @@ def before_after(runs: list[Run]) -> list[tuple[str, str, str, str]]:
         rows.append((key, fmt(*mean_std(a), pct=pct), fmt(*mean_std(b), pct=pct),
                      ("+" if ds[0] is not None and ds[0] > 0 else "") + change))
     return rows
+
+
+def reasoning_rows(runs: list[Run]) -> list[tuple[str, str, str, str]]:
+    """before_after rows of the reasoning-chain, token-efficiency, backtracking and compute metrics."""
+    firsts = [r.evals()[0] for r in runs if r.evals()]
+    keys = [f"{mode}/{k}" for mode in ("greedy", "sampled") for k in REASONING_KEYS]
+    return before_after(runs, [k for k in keys if firsts and k in firsts[0]])
 
 
 def baselines_table(runs: list[Run], key: str = "greedy/accuracy") -> dict[str, dict[str, tuple]]:
@@ -108,48 +129,100 @@ def feedback_text(component: str, detail) -> str:
     return f"{component}: {detail}"
 
 
+def _image(run: Run, ref, out: Path, folder: str, name: str, alt: str) -> str:
+    """An <img> of `ref` (a path relative to the run directory, or absolute) copied into out/folder; "" if missing."""
+    if not isinstance(ref, str) or not (run.path / ref).exists():
+        return ""
+    rel = Path(folder) / f"{name}{Path(ref).suffix or '.png'}"
+    (out / folder).mkdir(exist_ok=True)
+    shutil.copyfile(run.path / ref, out / rel)
+    return f'<img class="scene" src="{rel.as_posix()}" alt="{html.escape(alt)}">'
+
+
+def answers_table(answers: list[dict], notes: bool = False) -> str:
+    """Sampled answers ({"text", "correct", "reward", "components": {name: value}, "note"}) as a table with ✓/✗."""
+    rows = []
+    for a in answers:
+        ok, reward = a.get("correct"), a.get("reward")
+        mark = {True: "✓", False: "✗"}.get(ok, "")
+        parts = ", ".join(f"{k} {v:.2f}" if isinstance(v, (int, float)) else f"{k} n/a"
+                          for k, v in (a.get("components") or {}).items())
+        rows.append(f'<tr class="{"ok" if ok else "bad" if ok is False else ""}"><td class="mark">{mark}</td>'
+                    f"<td><code>{html.escape(a['text']) or '<em>(empty)</em>'}</code></td>"
+                    f"<td>{f'{reward:.2f}' if isinstance(reward, (int, float)) else 'failed'}</td>"
+                    f"<td>{html.escape(parts)}</td>" + (f"<td>{html.escape(a.get('note', ''))}</td>" if notes else "")
+                    + "</tr>")
+    return ("<table class='answers'><thead><tr><th></th><th>sampled answer</th><th>reward</th><th>components</th>"
+            + ("<th>reward details (judge feedback)</th>" if notes else "")
+            + f"</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+
+
+def _card(title: str, img: str, problem, solution, answers: str, anchor: str = "") -> str:
+    anchor = f' id="{anchor}"' if anchor else ""
+    return (f'<div class="card"{anchor}><h3>{html.escape(title)}</h3>'
+            f'<div class="card-body">{img}<div><p><b>Question:</b> {html.escape(str(problem))}<br><b>Solution:</b> '
+            f"<code>{html.escape(str(solution))}</code></p>{answers}</div></div></div>")
+
+
 def gallery_html(run: Run, out: Path) -> str:
     cards = []
     for label, e in gallery_entries(run):
-        img = ""
-        if isinstance(e.get("image"), str) and (run.path / e["image"]).exists():
-            rel = Path("gallery") / f"{run.name}-{Path(e['image']).name}"
-            (out / "gallery").mkdir(exist_ok=True)
-            shutil.copyfile(run.path / e["image"], out / rel)
-            img = f'<img class="scene" src="{rel.as_posix()}" alt="image of {html.escape(str(e.get("id", "")))}">'
-        answers = []
-        correct = e.get("correct") or [None] * len(e.get("answers", []))
-        for j, (text, reward) in enumerate(zip(e.get("answers", []), e.get("rewards", []), strict=False)):
-            ok = correct[j] if j < len(correct) else None
-            mark = {True: "✓", False: "✗"}.get(ok, "")
-            parts = ", ".join(f"{k} {v:.2f}" if isinstance(v, (int, float)) else f"{k} n/a"
-                              for k, v in ((k, vs[j]) for k, vs in (e.get("components") or {}).items()))
-            note = "; ".join(filter(None, (feedback_text(k, v[j]) for k, v in (e.get("details") or {}).items()
-                                           if j < len(v))))
-            answers.append(
-                f'<tr class="{"ok" if ok else "bad" if ok is False else ""}"><td class="mark">{mark}</td>'
-                f"<td><code>{html.escape(text) or '<em>(empty)</em>'}</code></td><td>{reward:.2f}</td>"
-                f"<td>{html.escape(parts)}</td>" + (f"<td>{html.escape(note)}</td>" if e.get("details") else "")
-                + "</tr>")
-        cards.append(
-            f'<div class="card"><h3>{label}: step {e.get("step")}</h3><div class="card-body">{img}<div>'
-            f"<p><b>Question:</b> {html.escape(str(e.get('problem', '')))}<br><b>Solution:</b> "
-            f"<code>{html.escape(str(e.get('solution', '')))}</code></p>"
-            f"<table class='answers'><thead><tr><th></th><th>sampled answer</th><th>reward</th><th>components</th>"
-            + ("<th>reward details (judge feedback)</th>" if e.get("details") else "")
-            + f"</tr></thead><tbody>{''.join(answers)}</tbody></table></div></div></div>")
+        img = _image(run, e.get("image"), out, "gallery", f"{run.name}-{Path(str(e.get('image'))).stem}",
+                     f"image of {e.get('id', '')}")
+        correct = e.get("correct") or []
+        answers = [{"text": text, "reward": reward, "correct": correct[j] if j < len(correct) else None,
+                    "components": {k: vs[j] for k, vs in (e.get("components") or {}).items()},
+                    "note": "; ".join(filter(None, (feedback_text(k, v[j]) for k, v in (e.get("details") or {}).items()
+                                                    if j < len(v))))}
+                   for j, (text, reward) in enumerate(zip(e.get("answers", []), e.get("rewards", []), strict=False))]
+        cards.append(_card(f"{label}: step {e.get('step')}", img, e.get("problem", ""), e.get("solution", ""),
+                           answers_table(answers, notes=bool(e.get("details")))))
     if not cards:
         return "<p>No rollout gallery in this run (trainer.log_rollouts_every = 0).</p>"
     return f"<p>Sampled answers for one training prompt, from run <code>{html.escape(run.name)}</code>.</p>" + \
         "".join(cards)
 
 
-def reflection_rows(runs: list[Run]) -> list[tuple[str, str, str]]:
+def task_anchor(task: str) -> str:
+    return "samples-" + "".join(c if c.isalnum() or c in "-_" else "_" for c in task)
+
+
+def worst_tasks_html(runs: list[Run], out: Path) -> str:
+    """The final evaluation's worst tasks (lowest accuracy, from RUN_DIR/eval_samples.jsonl), each linked to its
+    least accurate samples: image, question, solution and every answer with its reward and components."""
+    run = next((r for r in runs if (r.path / EVAL_SAMPLES).exists()), None)
+    if run is None:
+        return (f"<p>No {EVAL_SAMPLES} in this run (a training run writes it at its final evaluation; "
+                f"<code>vlmrl eval CKPT --samples-out RUN_DIR/{EVAL_SAMPLES}</code> writes one).</p>")
+    lines = read_samples(run.path / EVAL_SAMPLES)
+    worst = worst_tasks(lines, WORST_TASKS)
+    if not worst:
+        return f"<p>{EVAL_SAMPLES} of run <code>{html.escape(run.name)}</code> is empty.</p>"
+    temperature, step = worst[0][2][0]["temperature"], worst[0][2][0].get("step")
+    rows = "".join(f'<tr><td><a href="#{task_anchor(t)}">{html.escape(t or "(no task)")}</a></td><td>{fmt(acc)}</td>'
+                   f"<td>{len(ls)}</td></tr>" for t, acc, ls in worst)
+    cards = []
+    for t, _, ls in worst:
+        for i, line in enumerate(ls[:SAMPLES_PER_TASK]):
+            img = "".join(_image(run, ref, out, "samples", f"{run.name}-{task_anchor(t)}-{i}-{j}",
+                                 f"image of {line['id']}") for j, ref in enumerate(line["images"][:1]))
+            cards.append(_card(f"{t or '(no task)'}: sample {line['id']} ({fmt(line['accuracy'])} right)", img,
+                               line["problem"], line["solution"], answers_table(line["answers"]),
+                               task_anchor(t) if i == 0 else ""))
+    return (f"<p class='note'>Final evaluation of run <code>{html.escape(run.name)}</code>"
+            + (f" at step {step}" if step is not None else "") + f", temperature {temperature}: the "
+            + (f"{len(worst)} tasks" if len(worst) > 1 else "task") + " with the lowest accuracy, linked to at most "
+            f"{SAMPLES_PER_TASK} of its samples, the least accurate first (all samples: {EVAL_SAMPLES}).</p><table><thead><tr><th>task</th><th>accuracy</th><th>samples</th>"
+            f"</tr></thead><tbody>{rows}</tbody></table>" + "".join(cards))
+
+
+def reflection_rows(runs: list[Run], name: str = "reflection") -> list[tuple[str, str, str]]:
+    """(ratio, start, final) of marker set `name` (reflection, backtracking) in the sampled evaluations."""
     firsts = [r.evals()[0] for r in runs if r.evals()]
     lasts = [r.evals()[-1] for r in runs if r.evals()]
     rows = []
     for ratio in REFLECTION_RATIOS:
-        key = f"sampled/reflection/{ratio}"
+        key = f"sampled/{name}/{ratio}"
         if firsts and key in firsts[0]:
             rows.append((ratio, fmt(*mean_std([f.get(key) for f in firsts])),
                          fmt(*mean_std([f.get(key) for f in lasts]))))
@@ -173,6 +246,12 @@ def run_info(runs: list[Run]) -> list[tuple[str, str]]:
     if wall:
         m, sd = mean_std(wall)
         rows.append(("wall time per run", f"{m:.0f} s" + (f" ± {sd:.0f}" if sd is not None else "")))
+    for key, label in (("compute/seconds_per_1k_rollouts", "RL step time per 1,000 rollouts"),
+                       ("compute/gpu_seconds_per_1k_rollouts", "GPU time per 1,000 rollouts")):
+        m, sd = mean_std([v for r in runs for v in r.series("train", key).values()])
+        if m is not None:
+            rows.append((label, f"{m:.1f} {'GPU-' if 'gpu' in key else ''}s" + (f" ± {sd:.1f}" if sd else "")
+                         + " (mean ± std over steps)"))
     return rows
 
 
@@ -243,12 +322,23 @@ def write_report(paths: list[str | Path], out: str | Path | None = None) -> Path
             parts.append(f'<figure><img class="plot" src="{fig.name}" alt="{fig.stem}"><figcaption class="note">'
                          f"{html.escape(caption)}</figcaption></figure>")
     parts.append("</section>")
-    refl = reflection_rows(runs)
-    if refl:
-        parts.append('<section id="reflection"><h2>Reflection</h2><p class="note">Answers holding a reflection word '
-                     "(matched on word boundaries), sampled evaluation, from pooled counts. "
-                     "<i>undefined</i>: the ratio's denominator is empty.</p>"
-                     + _table(["ratio", "after SFT (start)", "after RL"], refl) + "</section>")
+    reasoning = reasoning_rows(runs)
+    if reasoning:
+        parts.append('<section id="reasoning"><h2>Reasoning and compute</h2><p class="note">Held-out set, first and '
+                     "last evaluation: tokens inside the reasoning block (answers that have one), the share of "
+                     "answers with one, generated tokens per correct answer, the share of answers with a "
+                     "backtracking marker, and the evaluation's seconds per 1,000 answers. <i>undefined</i>: no "
+                     f"answer to average over.{seeds_note}</p>"
+                     + _table(["metric", "after SFT (start)", "after RL", "change"], reasoning) + "</section>")
+    markers = {name: reflection_rows(runs, name) for name in MARKER_SETS}
+    if any(markers.values()):
+        parts.append('<section id="reflection"><h2>Reflection and backtracking</h2><p class="note">Answers holding a '
+                     "reflection word, and answers holding a backtracking marker (matched on word boundaries), "
+                     "sampled evaluation, from pooled counts. <i>undefined</i>: the ratio's denominator is empty.</p>"
+                     + "".join(f"<h3>{name}</h3>" + _table(["ratio", "after SFT (start)", "after RL"], rows)
+                               for name, rows in markers.items() if rows) + "</section>")
+    parts.append('<section id="worst-tasks"><h2>Worst tasks and their answers</h2>' + worst_tasks_html(runs, out)
+                 + "</section>")
     parts.append('<section id="gallery"><h2>Rollout gallery</h2>' + gallery_html(runs[0], out) + "</section>")
     parts.append(SCRIPT + "</body></html>")
     index = out / "index.html"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from vlmrl.eval.report import ARM_NAMES, REFLECTION_RATIOS
+from vlmrl.eval.report import ARM_NAMES, MARKER_SETS, REFLECTION_RATIOS, is_rate
 
 
 def _cell(v, pct: bool = True) -> str:
@@ -23,13 +23,12 @@ def _grid(header: list[str], rows: list[list[str]]) -> str:
 
 
 def eval_table(results: dict[str, dict]) -> str:
-    """`vlmrl eval` results ({"T=0.6": evaluate(...) output}) as tables: accuracy metrics per temperature, then the
-    per-task breakdown and the reflection ratios."""
+    """`vlmrl eval` results ({"T=0.6": evaluate(...) output}) as tables: accuracy, reward, length, reasoning and
+    compute metrics per temperature, then the per-task breakdown and the reflection and backtracking ratios."""
     labels = list(results)
     keys = list(dict.fromkeys(k for res in results.values() for k in res["metrics"]
-                              if not k.startswith(("task/", "reflection/"))))
-    pct = lambda k: k not in ("mean_length", "n", "samples_per_prompt", "mean_reward")  # noqa: E731
-    rows = [[k, *[_cell(results[t]["metrics"].get(k, "-"), pct(k)) if k in results[t]["metrics"] else "-"
+                              if not k.startswith(("task/", *(f"{m}/" for m in MARKER_SETS)))))
+    rows = [[k, *[_cell(results[t]["metrics"][k], is_rate(k)) if k in results[t]["metrics"] else "-"
                   for t in labels]] for k in keys]
     out = [_grid(["metric", *labels], rows)]
     tasks = list(dict.fromkeys(t for res in results.values() for t in res.get("per_task", {})))
@@ -37,8 +36,9 @@ def eval_table(results: dict[str, dict]) -> str:
         rows = [[t, *[_cell(results[label]["per_task"].get(t, {}).get("accuracy")) for label in labels]]
                 for t in tasks]
         out += ["", _grid(["accuracy per task", *labels], rows)]
-    rows = [[r, *[_cell(results[t]["reflection"]["ratios"][r]) for t in labels]] for r in REFLECTION_RATIOS]
-    out += ["", _grid(["reflection (pooled)", *labels], rows)]
+    for name in MARKER_SETS:
+        rows = [[r, *[_cell(results[t][name]["ratios"][r]) for t in labels]] for r in REFLECTION_RATIOS]
+        out += ["", _grid([f"{name} (pooled)", *labels], rows)]
     return "\n".join(out)
 
 

@@ -1,7 +1,8 @@
 """Rewards: verifiable reward functions, the registry, and safe weighted composition (the "score" stage).
 
 Importing this package registers the built-in rewards: accuracy, format, counting, length (verifiable.py); iou, giou,
-detection (boxes.py); classification (classification.py); keywords, process (reasoning.py); judge (judge.py).
+detection (boxes.py); classification (classification.py); exact_match, token_f1, bleu, rouge_l (textmatch.py);
+keywords, process (reasoning.py); judge (judge.py).
 """
 
 from vlmrl.rewards.boxes import box_giou, box_iou, detection_reward, giou_reward, iou_reward
@@ -22,6 +23,7 @@ from vlmrl.rewards.registry import (
     register_reward,
     resolve_reward,
 )
+from vlmrl.rewards.textmatch import bleu_reward, exact_match_reward, rouge_l_reward, token_f1_reward
 from vlmrl.rewards.verifiable import (
     accuracy_reward,
     counting_reward,
@@ -40,6 +42,7 @@ __all__ = [
     "RewardOutput",
     "RewardSpec",
     "accuracy_reward",
+    "bleu_reward",
     "box_giou",
     "box_iou",
     "call_reward",
@@ -47,6 +50,7 @@ __all__ = [
     "compute_rewards",
     "counting_reward",
     "detection_reward",
+    "exact_match_reward",
     "format_reward",
     "giou_reward",
     "iou_reward",
@@ -57,4 +61,6 @@ __all__ = [
     "process_reward",
     "register_reward",
     "resolve_reward",
+    "rouge_l_reward",
+    "token_f1_reward",
 ]

@@ -1,21 +1,30 @@
 """LLM judge (generative reward model) over any OpenAI-compatible `/v1/chat/completions` endpoint.
 
-vLLM's and llama.cpp's servers, and hosted APIs, speak the same protocol. `JudgeClient` sends one chat request per
-graded answer (the prompt from a template in `feedback.py`, images as base64 data URLs under a size cap), parses
-the reply with `parse_feedback`, and is careful about everything that goes wrong over a network:
+vLLM's and llama.cpp's servers, `vlmrl serve`-style apps and hosted APIs speak the same protocol. `JudgeClient` sends
+one chat request per graded answer (the prompt from a template in `feedback.py`, images as base64 data URLs under a
+size cap), parses the reply with `parse_feedback`, and is careful about everything that goes wrong over a network:
 
 - bounded concurrency (a thread pool of `concurrency` requests in flight) and a `timeout` per attempt;
-- retries, at most `max_retries`, on 429 (after its Retry-After, when given), 5xx, timeouts, refused connections
-  and malformed JSON, with exponential backoff and jitter; none on other 4xx;
+- retries over httpx (`vlmrl.rewards.judge_http`): at most `max_retries`, on 429 (after its Retry-After), 5xx,
+  timeouts, broken connections and malformed JSON, with exponential backoff and jitter; a refused connection is
+  retried for up to `connect_window` seconds, so a server that is restarting is waited for;
 - 401/403, or an unset key variable, raise `JudgeAuthError` (a FatalRewardError): training stops with a message
   naming the key variable, instead of counting a failure on every sample for hours;
+- a refusal that repeats (`refusal_limit` identical 4xx in a row with no reply between: a wrong model or path, a
+  text-only model sent images) raises `JudgeRefusedError` (a FatalRewardError), once, with what to change;
+- a reply with `content: null` or cut at max_tokens is a reply without a verdict, not a malformed one: it is not
+  retried (the same request would be cut the same way) and its error says so;
 - an on-disk cache keyed by (model, messages with the images, generation settings): a rerun does not pay twice;
 - a deadline for a whole batch (`judge_many(..., deadline=)`): no attempt starts, and no attempt or backoff runs,
-  past it; what is not judged by then fails (counted in `deadline_misses`);
+  past it; what is not judged by then fails;
 - a circuit breaker: after `circuit_failures` requests in a row failed for good, the circuit opens for
-  `circuit_cooldown` seconds, and requests fail at once without touching the network (`short_circuited`); then
-  requests go through again, and the next failure reopens it at once. A down endpoint costs one batch of timeouts,
-  not every step's.
+  `circuit_cooldown` seconds, and requests fail at once without touching the network; then requests go through
+  again, and the next failure reopens it at once. A down endpoint costs one batch of timeouts, not every step's.
+
+Every request ends in exactly one outcome, counted in `stats`: verdicts, cache_hits, http_failures, no_verdict,
+cut_at_max_tokens, deadline_misses or short_circuited (all but the first two are failed requests). The attempt
+counters (requests, retries, rate_limited, server_errors, timeouts, connection_errors, malformed, refused) count
+HTTP attempts; circuit_opens counts openings.
 
     client = JudgeClient("http://127.0.0.1:8000/v1", "qwen2.5-vl-7b", api_key_env="JUDGE_API_KEY")
     feedback = client.judge(question="How many circles?", prediction="3", reference="3", images=[image])
@@ -25,52 +34,55 @@ the reply with `parse_feedback`, and is careful about everything that goes wrong
 from __future__ import annotations
 
 import base64
-import email.utils
 import hashlib
 import io
 import json
 import os
-import random
+import re
 import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from vlmrl.rewards.feedback import TEMPLATES, Feedback, fill_template, parse_feedback
+from vlmrl.rewards.judge_http import ChatEndpoint, DeadlinePassed, JudgeAuthError, JudgeError, JudgeRefused, Reply
 from vlmrl.rewards.registry import FatalRewardError
 
-__all__ = ["Feedback", "JudgeAuthError", "JudgeClient", "JudgeError", "JudgeResult", "encode_image", "parse_feedback"]
+__all__ = ["Feedback", "JudgeAuthError", "JudgeClient", "JudgeError", "JudgeRefusedError", "JudgeResult",
+           "encode_image", "parse_feedback"]
 DEFAULT_CACHE_DIR = "~/.cache/vlmrl/judge"
-_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# a request's outcome -> the counter it adds to (one each)
+OUTCOMES = {"verdict": "verdicts", "cached": "cache_hits", "http_failure": "http_failures",
+            "no_verdict": "no_verdict", "cut": "cut_at_max_tokens", "deadline": "deadline_misses",
+            "short_circuited": "short_circuited"}
+ATTEMPT_COUNTERS = ("requests", "retries", "rate_limited", "server_errors", "timeouts", "connection_errors",
+                    "malformed", "refused")
+_IMAGES_REFUSED = re.compile(r"image|multi-?modal|vision", flags=re.I)
 
 
-class JudgeError(RuntimeError):
-    """One judge request failed for good (retries spent, or a 4xx that retrying cannot fix)."""
-
-
-class JudgeAuthError(FatalRewardError):
-    """The endpoint refused the key (401/403) or the key variable is unset: stop, nothing later can succeed."""
-
-
-class _DeadlinePassed(JudgeError):
-    """The batch's deadline passed before the request got a reply (not the endpoint's fault: no circuit count)."""
+class JudgeRefusedError(FatalRewardError):
+    """The endpoint refused `refusal_limit` requests in a row the same way (same 4xx, same message): every later
+    request would be refused too, so training stops with the server's message and what to change."""
 
 
 @dataclass
 class JudgeResult:
     """One request's outcome: `feedback` (None when the request failed; see `error`), whether it came from the
-    cache, and how many HTTP attempts it took (0 for a cache hit)."""
+    cache, how many HTTP attempts it took (0 for a cache hit or a request that never went out), and `outcome` (a key
+    of OUTCOMES). `failed`: no score came of it."""
 
     feedback: Feedback | None
     error: str | None = None
     cached: bool = False
     attempts: int = 0
+    outcome: str = "verdict"
+
+    @property
+    def failed(self) -> bool:
+        return self.feedback is None or self.feedback.score is None
 
 
 def encode_image(image: Any, max_bytes: int = 512_000) -> str:
@@ -136,43 +148,47 @@ class JudgeClient:
     api_key_env: the name of the environment variable that holds the key (None: send no key).
     template: a prompt with {question}, {prediction}, {reference}, {max_reasons}; default by `mode` ("verdict":
         [RELEVANT]/[IRRELEVANT]; "score": Score: N/10). cache_dir: None disables the disk cache.
+    connect_window: seconds a refused connection is retried for (from the first refusal after the last reply),
+        besides `max_retries`. refusal_limit: identical 4xx refusals in a row that stop training (0: never).
     circuit_failures: requests in a row that failed for good before the circuit opens (0: never opens);
         circuit_cooldown: seconds it stays open.
-    stats: counters of requests (HTTP attempts), retries, cache_hits, failures, rate_limited, server_errors,
-        timeouts, malformed, no_verdict, deadline_misses, circuit_opens, short_circuited, since the client was made."""
+    stats: the counters of the module docstring, since the client was made."""
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str | None = None, template: str | None = None,
                  mode: str = "verdict", max_reasons: int = 3, timeout: float = 30.0, max_retries: int = 3,
                  concurrency: int = 8, cache_dir: str | Path | None = DEFAULT_CACHE_DIR,
                  image_max_bytes: int = 512_000, max_tokens: int = 256, temperature: float = 0.0,
                  backoff_base: float = 0.5, backoff_max: float = 30.0, retry_after_max: float = 60.0,
-                 system_prompt: str | None = None, circuit_failures: int = 8, circuit_cooldown: float = 60.0):
+                 connect_window: float = 180.0, refusal_limit: int = 3, system_prompt: str | None = None,
+                 circuit_failures: int = 8, circuit_cooldown: float = 60.0):
         if mode not in TEMPLATES:
             raise ValueError(f"judge mode={mode!r}: expected one of {sorted(TEMPLATES)}")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.mode, self.max_reasons = model, mode, max_reasons
         self.template = template or TEMPLATES[mode]
-        self.timeout, self.max_retries = timeout, max_retries
         self.image_max_bytes, self.system_prompt = image_max_bytes, system_prompt
         self.settings = {"max_tokens": max_tokens, "temperature": temperature}
-        self.backoff_base, self.backoff_max, self.retry_after_max = backoff_base, backoff_max, retry_after_max
         self.api_key_env = api_key_env
-        self.api_key = os.environ.get(api_key_env) if api_key_env else None
-        if api_key_env and not self.api_key:
+        api_key = os.environ.get(api_key_env) if api_key_env else None
+        if api_key_env and not api_key:
             raise JudgeAuthError(f"judge {self.url}: the environment variable {api_key_env} that should hold the API "
                                  "key is not set; export it, or remove api_key_env for a server without a key")
         self.cache = JudgeCache(cache_dir)
-        self.stats = dict.fromkeys(("requests", "retries", "cache_hits", "failures", "rate_limited",
-                                    "server_errors", "timeouts", "malformed", "no_verdict", "deadline_misses",
-                                    "circuit_opens", "short_circuited"), 0)
+        self.stats = dict.fromkeys((*OUTCOMES.values(), *ATTEMPT_COUNTERS, "circuit_opens"), 0)
         self.last_error: str | None = None
+        self.refusal_limit = refusal_limit
         self.circuit_failures, self.circuit_cooldown = circuit_failures, circuit_cooldown
         self._failed_in_a_row = 0
         self._open_until = 0.0  # time.monotonic() until which the circuit is open
+        self._refusal: tuple[int, str] | None = None  # the last refusal (status, message) and how often in a row
+        self._refusals = 0
+        self._fatal: FatalRewardError | None = None  # once set, every request raises it
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="vlmrl-judge")
-        handlers = [urllib.request.ProxyHandler({})] if urlparse(self.url).hostname in _LOOPBACK else []
-        self._opener = urllib.request.build_opener(*handlers)
+        self.endpoint = ChatEndpoint(base_url, api_key=api_key, api_key_env=api_key_env, timeout=timeout,
+                                     max_retries=max_retries, backoff_base=backoff_base, backoff_max=backoff_max,
+                                     retry_after_max=retry_after_max, connect_window=connect_window,
+                                     concurrency=concurrency, count=self._count)
 
     # ------------------------------------------------------------------------------------------------ requests
     def messages(self, question: str, prediction: str, reference: str, images: list[Any] | None = None,
@@ -206,7 +222,8 @@ class JudgeClient:
 
     def judge_many(self, requests: list[list[dict]], deadline: float | None = None) -> list[JudgeResult]:
         """One JudgeResult per list of messages, `concurrency` requests in flight. `deadline` (a `time.monotonic()`
-        value) bounds the whole batch: what is not judged by then is a failed result. JudgeAuthError propagates."""
+        value) bounds the whole batch: what is not judged by then is a failed result. FatalRewardError
+        (JudgeAuthError, JudgeRefusedError) propagates."""
         futures = [self._pool.submit(self._judge_one, msgs, deadline) for msgs in requests]
         if deadline is not None:  # attempts stop at the deadline; the grace covers a reply being read
             wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()) + 2.0)
@@ -216,119 +233,105 @@ class JudgeClient:
                 results.append(f.result())
             else:
                 f.cancel()
-                self._count("deadline_misses")
-                results.append(JudgeResult(None, "not judged before the batch deadline"))
+                results.append(JudgeResult(None, f"judge {self.url}: not judged before the batch deadline",
+                                           outcome="deadline"))
+        for result in results:
+            self._count(OUTCOMES[result.outcome])
         return results
 
     def _judge_one(self, messages: list[dict], deadline: float | None = None) -> JudgeResult:
+        if self._fatal is not None:
+            raise type(self._fatal)(str(self._fatal))
         key = JudgeCache.key(self.model, messages, self.settings)
         cached = self.cache.get(key)
         if cached is not None:
-            self._count("cache_hits")
-            return JudgeResult(parse_feedback(cached, self.max_reasons), cached=True)
+            return JudgeResult(parse_feedback(cached, self.max_reasons), cached=True, outcome="cached")
         if deadline is not None and time.monotonic() >= deadline:
-            self._count("deadline_misses")
-            return JudgeResult(None, "not judged before the batch deadline")
+            return JudgeResult(None, f"judge {self.url}: not judged before the batch deadline", outcome="deadline")
         wait = self._open_until - time.monotonic()
         if wait > 0:
-            self._count("short_circuited")
-            return JudgeResult(None, f"circuit open after {self._failed_in_a_row} failed requests in a row "
-                                     f"(retrying in {wait:.0f} s)")
+            return JudgeResult(None, f"judge {self.url}: circuit open after {self._failed_in_a_row} failed requests "
+                                     f"in a row (retrying in {wait:.0f} s)", outcome="short_circuited")
         try:
-            content, attempts = self.complete(messages, deadline)
-        except _DeadlinePassed as exc:
-            self._count("deadline_misses")
-            return JudgeResult(None, str(exc))
+            reply = self.complete(messages, deadline)
+        except DeadlinePassed as exc:
+            return JudgeResult(None, str(exc), attempts=exc.attempts, outcome="deadline")
         except JudgeError as exc:
-            self._count("failures")
+            if isinstance(exc, JudgeRefused):
+                self._refused(exc, messages)
             self._circuit(failed=True)
-            return JudgeResult(None, str(exc))
+            return JudgeResult(None, str(exc), attempts=exc.attempts, outcome="http_failure")
+        except FatalRewardError:
+            raise
+        except Exception as exc:  # anything else fails this request, never the whole batch
+            self._circuit(failed=True)
+            return JudgeResult(None, f"judge {self.url}: {type(exc).__name__}: {exc}", outcome="http_failure")
         self._circuit(failed=False)
-        feedback = parse_feedback(content, self.max_reasons)
-        if feedback.score is None:
-            self._count("no_verdict")
-            return JudgeResult(feedback, feedback.error, attempts=attempts)
-        self.cache.put(key, self.model, content)
-        return JudgeResult(feedback, attempts=attempts)
+        return self._verdict(key, reply)
+
+    def _verdict(self, key: str, reply: Reply) -> JudgeResult:
+        """The result of a reply: a verdict (cached), or a reply without one, saying why."""
+        feedback = parse_feedback(reply.content or "", self.max_reasons)
+        if feedback.score is not None:
+            self.cache.put(key, self.model, reply.content or "")
+            return JudgeResult(feedback, attempts=reply.attempts)
+        outcome, why = "no_verdict", feedback.error
+        if reply.finish_reason == "length":
+            outcome = "cut"
+            why = (f"reply cut at max_tokens={self.settings['max_tokens']} before a verdict (finish_reason: "
+                   f"length); raise the judge's max_tokens")
+        elif reply.content is None:
+            why = (f"the reply has no content (content: null, finish_reason: {reply.finish_reason}); a server-side "
+                   "reasoning parser may have taken it all")
+        feedback.error = f"judge {self.url}: {why}"
+        return JudgeResult(feedback, feedback.error, attempts=reply.attempts, outcome=outcome)
+
+    def complete(self, messages: list[dict], deadline: float | None = None) -> Reply:
+        """The reply to `messages` (content, finish_reason, attempts), retrying as `vlmrl.rewards.judge_http`
+        says. Raises JudgeError (JudgeRefused for a 4xx), DeadlinePassed, JudgeAuthError."""
+        return self.endpoint.post({"model": self.model, "messages": messages, **self.settings}, deadline)
 
     def _circuit(self, failed: bool) -> None:
         """Count a request that failed for good (or reset on one that got a reply); open the circuit at the limit."""
         with self._lock:
             self._failed_in_a_row = self._failed_in_a_row + 1 if failed else 0
+            if not failed:
+                self._refusal, self._refusals = None, 0
             if failed and self.circuit_failures and self._failed_in_a_row >= self.circuit_failures:
                 if self._open_until <= time.monotonic():
                     self.stats["circuit_opens"] += 1
                 self._open_until = time.monotonic() + self.circuit_cooldown
 
-    def complete(self, messages: list[dict], deadline: float | None = None) -> tuple[str, int]:
-        """The reply text for `messages` and the number of HTTP attempts, retrying as the module docstring says.
-        Raises JudgeError when the retries are spent or the request is refused (a subclass of it when `deadline`
-        passed first), JudgeAuthError on 401/403."""
-        body = json.dumps({"model": self.model, "messages": messages, **self.settings}).encode()
-        error = "no attempt"
-        for attempt in range(self.max_retries + 1):
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise _DeadlinePassed(f"judge {self.url}: the batch deadline passed after {attempt} attempts; "
-                                      f"last: {error}")
-            if attempt:
-                self._count("retries")
-            self._count("requests")
-            delay = self._backoff(attempt)
-            try:
-                status, headers, raw = self._post(body, self.timeout if left is None else min(self.timeout, left))
-            except TimeoutError:
-                self._count("timeouts")
-                error = f"no reply within {self.timeout:g} s"
-            except urllib.error.URLError as exc:
-                if isinstance(exc.reason, TimeoutError):
-                    self._count("timeouts")
-                error = f"connection failed: {exc.reason}"
-            except (ConnectionError, OSError) as exc:
-                error = f"connection failed: {exc}"
-            else:
-                if status in (401, 403):
-                    where = f"the key in ${self.api_key_env}" if self.api_key_env else "api_key_env (no key was sent)"
-                    raise JudgeAuthError(f"judge {self.url}: HTTP {status} (key refused); check {where}")
-                if status == 429:
-                    self._count("rate_limited")
-                    wait = _retry_after(headers.get("retry-after"))
-                    delay = min(wait, self.retry_after_max) if wait is not None else delay
-                    error = "HTTP 429 (rate limited)"
-                elif status >= 500:
-                    self._count("server_errors")
-                    error = f"HTTP {status}: {raw[:200].decode(errors='replace')}"
-                elif status >= 400:
-                    raise JudgeError(f"judge {self.url}: HTTP {status}: {raw[:300].decode(errors='replace')}")
-                else:
-                    content = _reply_text(raw)
-                    if content is not None:
-                        return content, attempt + 1
-                    self._count("malformed")
-                    error = f"malformed reply: {raw[:120].decode(errors='replace')!r}"
-            if attempt < self.max_retries:
-                time.sleep(delay if deadline is None else max(0.0, min(delay, deadline - time.monotonic())))
-        raise JudgeError(f"judge {self.url}: gave up after {self.max_retries + 1} attempts; last: {error}")
+    def _refused(self, exc: JudgeRefused, messages: list[dict]) -> None:
+        """Count a refusal; at `refusal_limit` identical ones in a row, stop (JudgeRefusedError, raised from now on)."""
+        with self._lock:
+            if self._fatal is not None:
+                raise type(self._fatal)(str(self._fatal))
+            same = self._refusal == (exc.status, exc.message)
+            self._refusal, self._refusals = (exc.status, exc.message), self._refusals + 1 if same else 1
+            if not self.refusal_limit or self._refusals < self.refusal_limit:
+                return
+        sent_images = any(isinstance(m.get("content"), list) and any(p.get("type") == "image_url"
+                                                                     for p in m["content"]) for m in messages)
+        error = JudgeRefusedError(f"judge {self.url}: {self.refusal_limit} requests in a row were refused with the "
+                                  f"same HTTP {exc.status}: {exc.message}; {self._refusal_hint(exc, sent_images)} "
+                                  f"(refusal_limit={self.refusal_limit}: a refusal that repeats would fail every "
+                                  "sample of every step)")
+        with self._lock:
+            self._fatal = self._fatal or error
+        raise self._fatal
 
-    def _post(self, body: bytes, timeout: float | None = None) -> tuple[int, dict[str, str], bytes]:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
-        try:
-            with self._opener.open(request, timeout=timeout or self.timeout) as response:
-                return response.status, {k.lower(): v for k, v in response.headers.items()}, response.read()
-        except urllib.error.HTTPError as exc:
-            try:
-                raw = exc.read()
-            except (OSError, TimeoutError):
-                raw = b""
-            return exc.code, {k.lower(): v for k, v in (exc.headers or {}).items()}, raw
-
-    def _backoff(self, attempt: int) -> float:
-        """Exponential backoff with jitter: d = min(backoff_max, backoff_base * 2**attempt), then d/2 + U(0, d/2)."""
-        d = min(self.backoff_max, self.backoff_base * 2**attempt)
-        return d / 2 + random.uniform(0, d / 2)
+    def _refusal_hint(self, exc: JudgeRefused, sent_images: bool) -> str:
+        if exc.status == 404:
+            served = self.endpoint.served_models()
+            if served and self.model not in served:
+                return f"the server serves {served}, not model={self.model!r}: set the judge's model to one of them"
+            return (f"check base_url: {self.url} should be the server's chat route (OpenAI-compatible servers put "
+                    f"it under /v1), and model={self.model!r}")
+        if sent_images and _IMAGES_REFUSED.search(exc.message):
+            return ("the served model does not take these images: serve a vision-language model as the judge, or "
+                    "set send_images: false")
+        return "the server's message says what it refuses in these requests"
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -336,29 +339,4 @@ class JudgeClient:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds to wait from a Retry-After header: a number of seconds or an HTTP date; None if absent or bad."""
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
-
-
-def _reply_text(raw: bytes) -> str | None:
-    """choices[0].message.content of a chat-completions reply (text parts joined), or None if it is malformed."""
-    try:
-        content = json.loads(raw)["choices"][0]["message"]["content"]
-    except (ValueError, KeyError, IndexError, TypeError):
-        return None
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return content if isinstance(content, str) else None
+        self.endpoint.close()

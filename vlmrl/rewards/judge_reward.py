@@ -44,6 +44,8 @@ def judge_reward(
     temperature: float = 0.0,
     backoff_base: float = 0.5,
     batch_timeout: float | None = 300.0,
+    connect_window: float = 180.0,
+    refusal_limit: int = 3,
     circuit_failures: int = 8,
     circuit_cooldown: float = 60.0,
     send_images: bool = True,
@@ -64,19 +66,24 @@ def judge_reward(
     pays 0.0 without a request, so the judge cannot be asked to grade a blank. prediction="completion" sends the
     whole completion outside think blocks. The question and reference come from the `question_column` and
     `reference_column` columns, the sample's images (send_images) as data URLs of at most `image_max_bytes`.
-    A request that fails after its retries, a reply without a verdict, a request not judged within `batch_timeout`
-    seconds of the call (the whole batch's deadline; None: none), and every request while the circuit is open
-    (after `circuit_failures` requests in a row failed for good, for `circuit_cooldown` seconds) give a
-    `RewardFailure`: the sample is left out of training (advantage 0), never scored 0.
-    Logged per step: reward/judge/{requests, retries, cache_hits, failures, no_verdict, deadline_misses,
-    circuit_opens, short_circuited, ...} (this batch's counts). Identical requests in a batch (a group's repeated
-    answers) are sent once."""
+    A request that fails after its retries, a reply without a verdict (or cut at `max_tokens`), a request not
+    judged within `batch_timeout` seconds of the call (the whole batch's deadline; None: none), and every request
+    while the circuit is open (after `circuit_failures` requests in a row failed for good, for `circuit_cooldown`
+    seconds) give a `RewardFailure`: the sample is left out of training (advantage 0), never scored 0, and counted in
+    reward/judge/failures. A refused connection is retried for `connect_window` seconds (a restarting server);
+    `refusal_limit` identical 4xx refusals in a row (a wrong model or path, a text-only model sent images) stop
+    training with the server's message (0: never).
+    Logged per step: reward/judge/failures (samples whose value failed) and the client's counters for this batch
+    (`JudgeClient`: verdicts, cache_hits, http_failures, no_verdict, cut_at_max_tokens, deadline_misses,
+    short_circuited, one per distinct request; requests, retries, timeouts, ... per HTTP attempt). Identical
+    requests in a batch (a group's repeated answers) are sent once."""
     if prediction not in ("answer", "completion"):
         raise ValueError(f"prediction={prediction!r}: expected 'answer' or 'completion'")
     client = get_client(base_url=base_url, model=model, api_key_env=api_key_env, template=template, mode=mode,
                         max_reasons=max_reasons, timeout=timeout, max_retries=max_retries, concurrency=concurrency,
                         cache_dir=cache_dir, image_max_bytes=image_max_bytes, max_tokens=max_tokens,
-                        temperature=temperature, backoff_base=backoff_base, circuit_failures=circuit_failures,
+                        temperature=temperature, backoff_base=backoff_base, connect_window=connect_window,
+                        refusal_limit=refusal_limit, circuit_failures=circuit_failures,
                         circuit_cooldown=circuit_cooldown)
     deadline = None if batch_timeout is None else time.monotonic() + batch_timeout
     n = len(completions)
@@ -106,10 +113,10 @@ def judge_reward(
         result = results[key]
         feedback = result.feedback
         details[i] = {**(feedback.to_dict() if feedback else {}), "error": result.error, "cached": result.cached,
-                      "attempts": result.attempts}
-        if feedback is not None and feedback.score is not None:
-            values[i] = feedback.score
+                      "attempts": result.attempts, "outcome": result.outcome}
+        if result.failed:
+            values[i] = RewardFailure(result.error or f"judge {client.url}: no verdict")
         else:
-            values[i] = RewardFailure(f"judge: {result.error or 'no verdict'}")
+            values[i] = feedback.score
     metrics = {k: float(client.stats[k] - before[k]) for k in client.stats}
     return RewardBatch(values, metrics, details)

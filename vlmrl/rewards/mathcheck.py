@@ -1,160 +1,78 @@
-"""Symbolic math equivalence (sympy), one expression pair per job in worker processes, each under a time limit.
+"""Math equivalence with math-verify, one answer pair per job in worker processes, each under a time limit.
+
+Parsing and comparison are math-verify's (the library TRL and open-r1 grade math with): `latex2sympy2_extended`
+reads LaTeX with an ANTLR grammar into sympy objects (`\\dfrac`, `\\sin^2 x`, intervals `(1, 2]`, sets `\\{1,2\\}`,
+`\\pm`, percentages `50\\%`, units `5\\text{ cm}`, equations `x = 2`, matrices...), and `verify` compares them
+(numerically at a number of decimals, symbolically, as sets or intervals). Only its LaTeX reader is used (its
+plain-expression reader gives text to `sympy.parse_expr`, which calls `eval`): the grammar hands sympy nothing of
+the model's output but number tokens its lexer matched (`sympy.Number("12.5")`), which `tests/test_mathcheck.py`
+checks on hostile and random text.
 
 Math checkers hang: `9^{9^{9^9}}` makes sympy (in fact CPython's big-integer power, which no signal interrupts)
 run for ever, and a checker that silently returns 0 on every sample of that batch lets the policy learn nothing.
 Here each pair is a job in the "math" `WorkerPool` with its own limit (`timeout`), a batch has a total `budget`,
 and a pair that runs out of time becomes a `RewardFailure` (None plus a counted failure), never a silent 0.
-
-Parsing is deliberately small and closed: a LaTeX subset (`\\frac`, `\\sqrt`, `^`, `\\cdot`, `\\pi`, trig/log
-functions...) is rewritten to sympy syntax, and the result may hold only digits, single-letter variables, the
-function names in `FUNCTIONS`, operators and parentheses. Anything else does not parse (and pays 0), which also
-keeps `sympy.parse_expr` (it calls `eval`) away from attribute access, dunders and strings in model output.
+math-verify's own time limit (`signal.alarm`, which turns a timeout into a silent False) is switched off: the pool's
+kill is the limit.
 """
 
 from __future__ import annotations
 
-import re
+import logging
+import math
 import time
 from collections import OrderedDict
 from typing import Any
 
 from vlmrl.rewards.registry import RewardFailure
 
-MAX_CHARS = 200  # longer expressions are not parsed (0), which also bounds the parser's work
-FUNCTIONS = ("sqrt", "sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "sinh", "cosh", "tanh",
-             "log", "exp", "pi", "oo", "E", "I", "Abs")
-_LATEX_WORDS = {
-    r"\cdot": "*", r"\times": "*", r"\div": "/", r"\pi": "pi", r"\infty": "oo", r"\ln": "log", r"\log": "log",
-    r"\exp": "exp", r"\sin": "sin", r"\cos": "cos", r"\tan": "tan", r"\cot": "cot", r"\sec": "sec", r"\csc": "csc",
-    r"\arcsin": "asin", r"\arccos": "acos", r"\arctan": "atan", r"\sinh": "sinh", r"\cosh": "cosh",
-    r"\tanh": "tanh",
-}
-_DROP = re.compile(r"\\left|\\right|\\displaystyle|\\[,;:! ]|\\mathrm|\\text|\\operatorname|\$|\\\(|\\\)|\\\[|\\\]")
-_IDENT = re.compile(r"[A-Za-z]+")
-_ALLOWED_CHARS = re.compile(r"[0-9A-Za-z+\-*/^().\s]*")
-_CACHE: OrderedDict[tuple[str, str], Any] = OrderedDict()
+MAX_CHARS = 200  # longer answers are not parsed (0), which also bounds the parser's work
+_CACHE: OrderedDict[tuple[str, str, float], Any] = OrderedDict()
 _CACHE_SIZE = 4096
 
 
-def _argument(text: str, start: int) -> tuple[str, int] | None:
-    """The argument of a LaTeX command at text[start]: a `{...}` group (nesting respected) or one character
-    (`\\frac12`, `\\sqrt2`), with the index after it; None when there is none."""
-    while start < len(text) and text[start] == " ":
-        start += 1
-    if start >= len(text) or text[start] in "}":
-        return None
-    if text[start] != "{":
-        return text[start], start + 1
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[start + 1 : i], i + 1
-    return None
+def _latex_config() -> Any:
+    """Read the whole text as one LaTeX answer: it is wrapped in `\\boxed{}` and only boxed content is extracted
+    (no "the answer is" anchors, no plain-text expressions, which math-verify would give to `parse_expr`).
+    Normalisation is math-verify's default: units and `\\text{}` after a number dropped, `\\frac12` and `\\sqrt2`
+    repaired, `\\left`/`\\right`/`\\displaystyle` removed."""
+    from math_verify import LatexExtractionConfig
+
+    return LatexExtractionConfig(boxed_match_priority=0, try_extract_without_anchor=False)
 
 
-def _rewrite_commands(text: str) -> str | None:
-    """`\\frac{a}{b}` -> ((a)/(b)), `\\sqrt[n]{a}` -> ((a)**(1/(n))), `\\sqrt{a}` -> sqrt(a), recursively."""
-    out, i = [], 0
-    while i < len(text):
-        command = re.match(r"\\(?:[dt]?frac|sqrt)", text[i:])
-        if not command:
-            out.append(text[i])
-            i += 1
-            continue
-        j, root = i + command.end(), None
-        if command.group(0) == "\\sqrt" and j < len(text) and text[j] == "[":
-            end = text.find("]", j)
-            root = _rewrite_commands(text[j + 1 : end]) if end > 0 else None
-            if root is None:
-                return None
-            j = end + 1
-        first = _argument(text, j)
-        second = _argument(text, first[1]) if first and command.group(0).endswith("frac") else None
-        if first is None or (command.group(0).endswith("frac") and second is None):
-            return None
-        a = _rewrite_commands(first[0])
-        b = _rewrite_commands(second[0]) if second else ""
-        if a is None or b is None:
-            return None
-        if second:
-            out.append(f"(({a})/({b}))")
-            i = second[1]
-        else:
-            out.append(f"(({a})**(1/({root})))" if root else f"sqrt({a})")
-            i = first[1]
-    return "".join(out)
+def parse_math(text: str) -> list[Any]:
+    """math-verify's reading of one answer (plain or LaTeX, `$...$` allowed): a list with one sympy object, or []
+    when it does not parse (or is empty or longer than MAX_CHARS). `**` is read as `^` (plain-text powers).
+    Runs in a math worker: parsing alone can take long (`\\binom{10^5}{5 \\cdot 10^4}` is computed)."""
+    from math_verify import parse
 
-
-def to_sympy_text(expression: str) -> str | None:
-    """`expression` (plain or LaTeX) rewritten to the closed sympy syntax described above, or None.
-
-    An equation keeps its right-hand side ("x = 2" -> "2"). Multi-letter names that are not in FUNCTIONS are
-    read as products of single-letter variables ("xy" -> "x*y")."""
     from vlmrl.rewards.parsing import to_ascii_digits
 
-    s = to_ascii_digits(expression).strip()
+    s = to_ascii_digits(text).strip().replace("**", "^")
     if not s or len(s) > MAX_CHARS:
-        return None
-    s = _DROP.sub(" ", s)
-    s = re.sub(r"\\boxed\s*", "", s)
-    s = _rewrite_commands(s)
-    if s is None:
-        return None
-    for word in sorted(_LATEX_WORDS, key=len, reverse=True):
-        s = re.sub(re.escape(word) + r"(?![A-Za-z])", f" {_LATEX_WORDS[word]} ", s)
-    s = s.replace("{", "(").replace("}", ")").split("=")[-1].strip()
-    if not s or "\\" in s or not _ALLOWED_CHARS.fullmatch(s):
-        return None
-    if re.search(r"\.(?!\d)|[A-Za-z)]\s*\.", s):  # a dot only as a decimal point: no attribute access
-        return None
-
-    def split(match: re.Match) -> str:
-        word = match.group(0)
-        return word if word in FUNCTIONS or len(word) == 1 else "*".join(word)
-
-    return _IDENT.sub(split, s)
+        return []
+    return parse(f"\\boxed{{{s}}}", extraction_config=[_latex_config()], fallback_mode="no_fallback",
+                 extraction_mode="first_match", parsing_timeout=None)
 
 
-def _parse(expression: str) -> Any:
-    import sympy
-    from sympy.parsing.sympy_parser import (
-        convert_xor,
-        implicit_multiplication_application,
-        parse_expr,
-        standard_transformations,
-    )
-
-    text = to_sympy_text(expression)
-    if text is None:
-        return None
-    names = {name: getattr(sympy, name) for name in FUNCTIONS}
-    names.update({c: sympy.Symbol(c) for c in set(re.findall(r"[A-Za-z]", text)) if c not in names})
-    transformations = (*standard_transformations, implicit_multiplication_application, convert_xor)
-    try:
-        value = parse_expr(text, local_dict=names, global_dict={"__builtins__": {}, **vars(sympy)},
-                           transformations=transformations)
-    except Exception:  # any parse error: not an expression
-        return None
-    return value if isinstance(value, sympy.Basic) else None
+def decimals(tolerance: float) -> int:
+    """The decimals math-verify rounds numbers to for `tolerance`: 1e-6 -> 6 (its default), i.e. about an absolute
+    tolerance (0.7071 is sqrt(2)/2 at 4 decimals)."""
+    return max(0, round(-math.log10(tolerance))) if tolerance > 0 else 15
 
 
-def sympy_equal(prediction: str, reference: str, tolerance: float = 1e-6) -> bool | None:
-    """Whether two expressions are mathematically equal: simplify(a - b) == 0, or |a - b| <= tolerance * max(1, |b|)
-    when both are constants, or sympy's numeric `equals` test. None when either side does not parse.
-    Runs in a math worker (it can take for ever); call `symbolic_equal_many` from the trainer."""
-    import sympy
+def math_equal(prediction: str, reference: str, tolerance: float = 1e-6) -> bool:
+    """Whether `prediction` is mathematically the `reference` (math-verify's `verify(gold, prediction)`, numbers
+    compared at `decimals(tolerance)` decimals); False when either side does not parse. Runs in a math worker (it
+    can take for ever); call `symbolic_equal_many` from the trainer."""
+    from math_verify import verify
 
-    a, b = _parse(prediction), _parse(reference)
-    if a is None or b is None:
-        return None
-    diff = sympy.simplify(a - b)
-    if diff == 0:
-        return True
-    if not diff.free_symbols:
-        scale = abs(complex(sympy.N(b))) if not b.free_symbols else 1.0
-        return abs(complex(sympy.N(diff))) <= tolerance * max(1.0, scale)
-    return bool(diff.equals(0))
+    logging.getLogger("math_verify").setLevel(logging.ERROR)  # it warns that its own timeout is off: the pool's is on
+    gold, pred = parse_math(reference), parse_math(prediction)
+    if not gold or not pred:
+        return False
+    return bool(verify(gold, pred, float_rounding=decimals(tolerance), timeout_seconds=None))
 
 
 def ready() -> bool:
@@ -162,34 +80,43 @@ def ready() -> bool:
     return True
 
 
+# ANTLR builds its prediction tables lazily, per grammar path: the first parse of a kind of form cost ~1 s, more than
+# a loaded machine's per-pair limit left, until a pair of that kind ran once in the worker
+_WARM_UP = [("x^2+2x+1", "(x+1)^2"), ("\\dfrac{\\sqrt{2}}{2}", "\\sin^2 x + \\cos^2 x"), ("(1, 2]", "\\{1, 2\\}"),
+            ("x = \\pm 2", "50\\%")]
+
+
 def warm_up() -> None:
-    """Run one comparison, so that a worker's first real job does not pay for sympy's lazy imports."""
-    sympy_equal("\\frac{x^2 - 1}{x - 1}", "x + 1")
+    """Compare `_WARM_UP`, so that a worker's first real jobs do not pay for the lazy imports and tables (sympy,
+    the ANTLR grammar)."""
+    for prediction, reference in _WARM_UP:
+        math_equal(prediction, reference)
 
 
-def symbolic_equal_many(pairs: list[tuple[str, str]], timeout: float = 2.0, budget: float = 30.0,
+def symbolic_equal_many(pairs: list[tuple[str, str]], timeout: float = 5.0, budget: float = 30.0,
                         tolerance: float = 1e-6) -> list[bool | RewardFailure]:
-    """For each (prediction, reference): True/False, False when either side does not parse, or a RewardFailure
-    when the check ran past `timeout` seconds (or the batch's `budget` was spent first). Results, failures
-    included, are cached per pair for the process's life (a repeated pathological answer costs its time once)."""
+    """For each (prediction, reference): True/False (`math_equal`), or a RewardFailure when the check ran past
+    `timeout` seconds (or the batch's `budget` was spent first). Results, failures included, are cached per pair
+    and tolerance for the process's life (a repeated pathological answer costs its time once)."""
     from vlmrl.rewards.safe import Job, get_pool
 
-    todo = list(dict.fromkeys(p for p in pairs if p not in _CACHE))
-    fresh: dict[tuple[str, str], bool | RewardFailure] = {}
+    keys = [(a, b, tolerance) for a, b in pairs]
+    todo = list(dict.fromkeys(k for k in keys if k not in _CACHE))
+    fresh: dict[tuple[str, str, float], bool | RewardFailure] = {}
     if todo:
-        pool = get_pool("math", preload=("sympy", "vlmrl.rewards.mathcheck:warm_up"))
-        # start the workers (importing sympy takes seconds) before the budget's clock: a pool that started inside
+        pool = get_pool("math", preload=("math_verify", "vlmrl.rewards.mathcheck:warm_up"))
+        # start the workers (the imports take seconds) before the budget's clock: a pool that started inside
         # it failed the whole batch whenever the start took longer than the budget, every batch
         pool.run([Job("vlmrl.rewards.mathcheck:ready", timeout=60.0) for _ in range(pool.size)])
-        jobs = [Job("vlmrl.rewards.mathcheck:sympy_equal", (a, b, tolerance), timeout=timeout) for a, b in todo]
-        for pair, outcome in zip(todo, pool.run(jobs, deadline=time.monotonic() + budget), strict=True):
+        jobs = [Job("vlmrl.rewards.mathcheck:math_equal", key, timeout=timeout) for key in todo]
+        for key, outcome in zip(todo, pool.run(jobs, deadline=time.monotonic() + budget), strict=True):
             if outcome.ok:
                 result: bool | RewardFailure = bool(outcome.value)
             else:
-                result = RewardFailure(f"math check of {pair[0][:60]!r}: {outcome.error}")
+                result = RewardFailure(f"math check of {key[0][:60]!r}: {outcome.error}")
             if outcome.ok or outcome.timed_out:  # a job the budget never started is not a result
-                _CACHE[pair] = result
-            fresh[pair] = result
+                _CACHE[key] = result
+            fresh[key] = result
             if len(_CACHE) > _CACHE_SIZE:
                 _CACHE.popitem(last=False)
-    return [fresh[p] if p in fresh else _CACHE[p] for p in pairs]
+    return [fresh[k] if k in fresh else _CACHE[k] for k in keys]

@@ -58,6 +58,7 @@ RewardFn = Callable[..., Sequence[Any]]
 
 REWARDS: dict[str, RewardFn] = {}
 DEFAULT_TIMEOUT = 60.0  # seconds per isolated reward call (one batch), when RewardSpec.timeout is not set
+OWN_METRICS = ("mean", "std", "count", "failures")  # reward/{key}/{name} that RewardOutput.metrics writes
 
 
 class FatalRewardError(TrainingError):
@@ -85,8 +86,9 @@ class RewardFailure(float):
 
 class RewardBatch(list):
     """A reward's return value with extras: the per-sample values (the list itself), `metrics` (logged as
-    reward/{component}/{name}, e.g. the judge's retries and cache hits) and `details` (one entry per sample,
-    e.g. the judge's raw feedback, shown by `vlmrl inspect-reward`)."""
+    reward/{component}/{name}, e.g. the judge's retries and cache hits; a name of OWN_METRICS is logged as
+    reported_{name}) and `details` (one entry per sample, e.g. the judge's raw feedback, shown by
+    `vlmrl inspect-reward`)."""
 
     def __init__(self, values: Sequence[Any], metrics: dict[str, float] | None = None,
                  details: list[Any] | None = None):
@@ -95,12 +97,15 @@ class RewardBatch(list):
         self.details = details
 
 
-def register_reward(name: str, *, inline: bool = False) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, *, inline: bool = False,
+                    requires: dict[str, str] | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register `fn` under `name` in REWARDS. Re-registering the same function (a module reload) is
     allowed; a different function under a taken name is a ValueError.
 
     inline=True vouches that `fn` returns in bounded time (no unbounded loops, no blocking call without its own
-    time limit), so it may run in the trainer's process without a worker (see the module docstring)."""
+    time limit), so it may run in the trainer's process without a worker (see the module docstring).
+    requires={module: what to install} names the optional packages `fn` imports when called (e.g.
+    {"sacrebleu": "pip install 'vlmrl[text]'"}): `check_specs` raises a ConfigError up front when one is missing."""
 
     def decorator(fn: RewardFn) -> RewardFn:
         existing = REWARDS.get(name)
@@ -109,9 +114,20 @@ def register_reward(name: str, *, inline: bool = False) -> Callable[[RewardFn], 
         REWARDS[name] = fn
         if inline:
             fn.__vlmrl_inline__ = True  # type: ignore[attr-defined]
+        if requires:
+            fn.__vlmrl_requires__ = dict(requires)  # type: ignore[attr-defined]
         return fn
 
     return decorator
+
+
+def missing_requirement(fn: RewardFn, what: str) -> ConfigError | None:
+    """A ConfigError naming the first package of `fn`'s `requires` that is not installed (`what` names the reward
+    in the message), or None when all are there."""
+    for module, install in getattr(fn, "__vlmrl_requires__", {}).items():
+        if importlib.util.find_spec(module) is None:
+            return ConfigError(f"{what} needs the {module} package, which is not installed: {install}")
+    return None
 
 
 def _qualname(fn: Callable[..., Any]) -> str:
@@ -237,8 +253,9 @@ def _score_values(raw: Any, n: int) -> _Scored:
         rows.append(value is not None and score is None)
     metrics = getattr(raw, "metrics", None) if isinstance(raw, RewardBatch) else None
     details = getattr(raw, "details", None) if isinstance(raw, RewardBatch) else None
-    return _Scored(values, sum(rows), error, dict(metrics or {}), list(details) if details is not None else None,
-                   rows)
+    # a reward's own counter never overwrites what the trainer measures of it (reward/{key}/failures: lost values)
+    metrics = {f"reported_{k}" if k in OWN_METRICS else k: v for k, v in (metrics or {}).items()}
+    return _Scored(values, sum(rows), error, metrics, list(details) if details is not None else None, rows)
 
 
 def _call_inline(fn: RewardFn, completions: list[str], kwargs: dict[str, Any]) -> _Scored:
@@ -299,9 +316,10 @@ def _placement(spec: RewardSpec, fn: RewardFn) -> str | None:
 
 def check_specs(specs: Sequence[RewardSpec], columns: Iterable[str] = ()) -> list[tuple[RewardSpec, RewardFn]]:
     """Each spec with its function; ConfigError for what would fail every call: an unknown name, two specs with
-    the same key, a kwarg the function does not take, a kwarg that shadows a dataset column, isolate=true on a
-    function a worker cannot import. `vlmrl train` calls this before any data or model is built (with the data's
-    columns once loaded), so none of these surfaces at the first step."""
+    the same key, a kwarg the function does not take, a kwarg that shadows a dataset column, a package the
+    function `requires` that is not installed, isolate=true on a function a worker cannot import. `vlmrl train`
+    calls this before any data or model is built (with the data's columns once loaded), so none of these surfaces
+    at the first step."""
     resolved = [(spec, resolve_reward(spec.name)) for spec in specs]
     keys = [spec.key for spec in specs]
     duplicates = sorted({k for k in keys if keys.count(k) > 1})
@@ -323,6 +341,9 @@ def check_specs(specs: Sequence[RewardSpec], columns: Iterable[str] = ()) -> lis
             if unknown:
                 raise ConfigError(f"reward {spec.key!r}: kwargs {unknown} are not options of {_qualname(fn)}; its "
                                   f"options: {sorted(names - {'completions'})}")
+        missing = missing_requirement(fn, f"reward {spec.key!r}")
+        if missing is not None:
+            raise missing
         _placement(spec, fn)
     return resolved
 

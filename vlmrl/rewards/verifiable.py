@@ -17,6 +17,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from vlmrl.data.sample import infer_answer_type
 from vlmrl.rewards.parsing import (
     EXTRACT_MODES,
     completion_text,
@@ -29,8 +30,6 @@ from vlmrl.rewards.parsing import (
 from vlmrl.rewards.registry import RewardFailure, register_reward
 
 ANSWER_TYPES = ("number", "text", "box", "math", "choice")
-_MATH_HINT = re.compile(r"\\[A-Za-z]+|\^|sqrt\(")
-_EXPRESSION = re.compile(r"[0-9A-Za-z\s+\-*/().]+")
 
 
 def per_sample(value: Any, n: int, default: Any) -> list[Any]:
@@ -70,13 +69,12 @@ def _select_answer(completion: str, truncated: bool, extract: str, strict: bool)
 
 
 def _infer_answer_type(solution: Any) -> str:
-    """number if the solution is one number; math if it is an expression (LaTeX, `^`, or digits with operators,
-    like "x+1" or "2*pi"); else text. Text stays text: "ab" is not the product a*b."""
+    """number if the solution is one number (`3/4` and `\\frac{3}{4}` too); math or text as the data contract infers
+    it for files (`vlmrl.data.infer_answer_type`: LaTeX, `^`, a percentage, an interval, digits with operators)."""
     first = str(solution[0] if isinstance(solution, (list, tuple)) and solution else solution)
     if parse_number(first, exact=True) is not None:
         return "number"
-    expression = _EXPRESSION.fullmatch(first) and re.search(r"\d", first) and re.search(r"[+\-*/]", first)
-    return "math" if _MATH_HINT.search(first) or expression else "text"
+    return "math" if infer_answer_type(first) == "math" else "text"
 
 
 def _options(value: Any) -> list[str] | None:
@@ -113,7 +111,7 @@ def accuracy_reward(
     strict: bool = True,
     tolerance: float = 1e-6,
     symbolic: bool = True,
-    math_timeout: float = 2.0,
+    math_timeout: float = 5.0,
     math_budget: float = 30.0,
     options: list[Any] | None = None,
     choices: list[Any] | None = None,
@@ -130,9 +128,10 @@ def accuracy_reward(
       "1,000", non-ASCII digits ('٣', '３') and a number with unit text around it. The answer must hold exactly
       one number, so "3 or 4" pays nothing.
     - text: exact match after `normalize_text` ("The Red." == "red").
-    - math: text match, then numeric equality, then (symbolic=True) sympy equivalence in a worker process
-      (`mathcheck`), `math_timeout` seconds per expression and `math_budget` per batch; a check that runs out of
-      time gives None plus a counted failure, never a silent 0 for the batch.
+    - math: text match, then numeric equality, then (symbolic=True) math-verify's equivalence (LaTeX, intervals,
+      sets, `\\pm`, percentages, units; see `mathcheck`) in a worker process, `math_timeout` seconds per
+      expression and `math_budget` per batch; a check that runs out of time gives None plus a counted failure,
+      never a silent 0 for the batch.
     - choice, or any sample with an `options`/`choices` column: multiple choice; the answer names one option by
       letter or by text (`choice_index`), and pays when it is the solution's option (the solution is a letter or
       an option's text).

@@ -17,6 +17,8 @@ from torch import Tensor
 from vlmrl.algorithms.advantages import ADVANTAGES, nonzero_variance_groups, zero_variance_fraction
 from vlmrl.algorithms.kl import kl_estimate
 from vlmrl.eval.generative import correctness
+from vlmrl.eval.metrics import marker_sets
+from vlmrl.eval.reasoning import rollout_metrics, token_counter
 from vlmrl.models.batch import PromptBatch, concat_prompt_batches
 from vlmrl.models.scoring import logprob_gap, score_batch
 from vlmrl.rewards import RewardOutput, compute_rewards
@@ -212,9 +214,10 @@ def rank_sum(ctx: StepContext) -> Callable[[Tensor], Tensor] | None:
 
 
 # -- Stage IV: update -> vlmrl/trainer/update.py ---------------------------------------------------------------------
-def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None
-            ) -> tuple[dict[str, float], dict]:
-    """One generation step: returns its metrics and a rollout-gallery entry for the first prompt."""
+def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None,
+            markers: dict[str, tuple[str, ...]] | None = None) -> tuple[dict[str, float], dict]:
+    """One generation step: returns its metrics and a rollout-gallery entry for the first prompt. `markers`: the
+    word lists whose answer shares are logged (default `marker_sets()`: reflection, backtracking)."""
     t0 = time.perf_counter()
     vision_before = ctx.policy.family.vision_calls
     batch = collect_and_score(ctx, samples)
@@ -252,6 +255,12 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
                                    + batch.rollout.lengths.sum()) / (t2 - t0),
     })
     device = ctx.policy.family.device
+    # reasoning chain, token efficiency, marker shares and compute per 1,000 rollouts, pooled over the ranks
+    reduce = rank_sum(ctx)
+    pool = None if reduce is None else lambda xs: reduce(torch.tensor(xs, dtype=torch.float64)).tolist()
+    metrics.update(rollout_metrics(rollout.texts, correct, rollout.lengths.tolist(),
+                                   token_counter(ctx.policy.processor.tokenizer), markers or marker_sets(), t2 - t0,
+                                   ctx.dist.world if device.type == "cuda" else 0, pool))
     if device.type == "cuda":  # this rank's peak GPU memory during the step
         metrics["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3
         torch.cuda.reset_peak_memory_stats(device)

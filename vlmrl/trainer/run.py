@@ -19,6 +19,8 @@ from vlmrl.config import Config, save_config, to_dict, validate
 from vlmrl.data import build_dataset, vocabulary_texts
 from vlmrl.errors import ConfigError
 from vlmrl.eval.generative import evaluate
+from vlmrl.eval.metrics import marker_sets
+from vlmrl.eval.samples import EVAL_SAMPLES, write_samples
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
 from vlmrl.models.reference import Reference
@@ -59,7 +61,7 @@ from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_deci
 from vlmrl.trainer.resume import check_resume, find_resume_point, rewind_checkpoints
 from vlmrl.trainer.rl import StepContext, rl_step
 from vlmrl.trainer.sft import sft_step
-from vlmrl.trainer.watch import SignalWatch, TruncationWatch, truncation_warning
+from vlmrl.trainer.watch import RewardFailureWatch, SignalWatch, TruncationWatch, truncation_warning
 
 
 class Progress:
@@ -118,21 +120,27 @@ def build_policy(cfg: Config, run_dir: Path, dist_info=None, data: Datasets | No
     return configure_training(load_policy(name, m.dtype, device, m.min_pixels, m.max_pixels, m.autocast), m)
 
 
-def run_eval(policy: Policy, cfg: Config, samples: list[dict], rewards, progress: Progress, label: str) -> dict:
-    out = {}
+def run_eval(policy: Policy, cfg: Config, samples: list[dict], rewards, progress: Progress, label: str,
+             samples_out: Path | None = None, step: int | None = None) -> dict:
+    """Greedy and sampled evaluation of `samples`, metrics prefixed greedy/ and sampled/. `samples_out`: also write
+    every sample's answers there (vlmrl.eval.samples), with `step` on each line."""
+    out, evaluations = {}, []
     for mode, temperature in (("greedy", 0.0), ("sampled", cfg.eval.sampled_temperature)):
         progress.start(f"eval {label} ({mode})", len(samples))
         res = evaluate(policy, samples, temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens,
                        batch_size=cfg.eval.batch_size, template=cfg.data.prompt_template,
                        max_prompt_length=cfg.data.max_prompt_length, rewards=rewards, seed=cfg.trainer.seed,
                        progress=progress.advance, n=cfg.eval.samples, ks=cfg.eval.pass_k,
-                       reflection_words=cfg.eval.reflection_words)
+                       reflection_words=cfg.eval.reflection_words, backtracking_words=cfg.eval.backtracking_words)
         progress.end()
         warning = truncation_warning(res["metrics"].get("truncated_share", 0.0), "eval.max_new_tokens",
                                      cfg.eval.max_new_tokens, f"eval {label} ({mode})")
         if warning:
             progress.message(f"warning: {warning}")
         out.update({f"{mode}/{k}": v for k, v in res["metrics"].items()})
+        evaluations.append((temperature, res))
+    if samples_out is not None:
+        write_samples(samples_out, evaluations, samples, step=step)
     return out
 
 
@@ -224,7 +232,9 @@ class RLJob:
             return metrics, None
         start, stop = self.shard
         samples = [self.train_set[i] for i in self.stream.next(rollout.prompts_per_step)[start:stop]]
-        metrics, gallery = rl_step(ctx, samples, draw=lambda k: [self.train_set[i] for i in self.stream.next(k)])
+        markers = marker_sets(self.cfg.eval.reflection_words, self.cfg.eval.backtracking_words)
+        metrics, gallery = rl_step(ctx, samples, draw=lambda k: [self.train_set[i] for i in self.stream.next(k)],
+                                   markers=markers)
         return reduce_metrics(metrics, ctx.dist), gallery
 
 
@@ -393,7 +403,8 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
             summary.update(final=summary["start"], checkpoint=str(run_dir / "checkpoint-0"))
         else:
             with gathered(job.ctx.forward):
-                summary["final"] = run_eval(policy, cfg, data.eval, rewards, progress, "after RL")
+                summary["final"] = run_eval(policy, cfg, data.eval, rewards, progress, "after RL",  # + its answers
+                                            run_dir / EVAL_SAMPLES if dist_info.is_main else None, cfg.trainer.steps)
             logger.log(summary["final"], cfg.trainer.steps, "eval")
             summary["checkpoint"] = str(job.checkpoint(cfg.trainer.steps))
     summary["notes"] += job.notes
@@ -409,7 +420,7 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
     """RL steps `first_step`..trainer.steps with their evaluations, rollout gallery and checkpoints. Returns None
     when done, or the step after which a signal stopped the run (its checkpoint written)."""
     cfg, t, ctx = job.cfg, job.cfg.trainer, job.ctx
-    clock, watches = SaveClock(t), (SignalWatch(cfg), TruncationWatch(cfg))
+    clock, watches = SaveClock(t), (SignalWatch(cfg), TruncationWatch(cfg), RewardFailureWatch(cfg))
     progress.start("rl", t.steps - first_step + 1)
     try:
         for step in range(first_step, t.steps + 1):

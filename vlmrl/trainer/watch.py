@@ -6,7 +6,9 @@ every advantage is 0) or, with one answer per prompt, every reward of the step i
 `trainer.no_signal_steps` such steps in a row, the run says so once, naming the causes it can check from the
 metrics it already has; the streak is also a metric (`no_signal_streak`). When more than 20% of the RL answers
 of the last `TruncationWatch.WINDOW` steps were cut at `rollout.max_new_tokens`, the run says that too (once, until
-the share falls again); evaluations warn about their own truncation (`truncation_warning`).
+the share falls again); evaluations warn about their own truncation (`truncation_warning`). When a reward lost
+more than 10% of its values to failures over the last `RewardFailureWatch.WINDOW` steps (a judge that times out, a
+user reward that raises), the run says that too, with the reward's own counters.
 """
 
 from __future__ import annotations
@@ -14,8 +16,10 @@ from __future__ import annotations
 from collections import deque
 
 from vlmrl.config import Config
+from vlmrl.rewards.registry import OWN_METRICS
 
 TRUNCATION_WARNING = 0.2  # share of answers cut at max_new_tokens above which training and eval warn
+REWARD_FAILURE_WARNING = 0.1  # share of a reward's values lost to failures above which training warns
 
 
 def has_signal(metrics: dict, group_size: int) -> bool:
@@ -110,3 +114,49 @@ class TruncationWatch:
         self.warned = True
         return truncation_warning(share, "rollout.max_new_tokens", self.cfg.rollout.max_new_tokens,
                                   f"steps {step - self.WINDOW + 1}-{step}")
+
+
+class RewardFailureWatch:
+    """Feed it each RL step's metrics; `update` returns a warning when a reward component lost more than
+    REWARD_FAILURE_WARNING of its values over the last WINDOW steps (again only after its share fell below).
+
+    A component's failure share is sum(reward/{key}/failures) / sum(failures + reward/{key}/count) over the window:
+    of the values it gave or lost (a None for "does not apply" is neither). The warning names the component's own
+    non-zero counters over the window (for the judge: http_failures, timeouts, circuit_opens, ...)."""
+
+    WINDOW = 10
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.warned = cfg, set()
+        self.recent: deque[tuple[int, dict]] = deque(maxlen=self.WINDOW)
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        keys = [k.split("/")[1] for k in metrics if k.startswith("reward/") and k.count("/") == 2
+                and k.endswith("/failures")]
+        self.recent.append((step, {k: v for k, v in metrics.items() if k.startswith("reward/")}))
+        warnings = []
+        for key in keys:
+            failed, given = self._sum(f"reward/{key}/failures"), self._sum(f"reward/{key}/count")
+            share = failed / (failed + given) if failed + given else 0.0
+            if share <= REWARD_FAILURE_WARNING:
+                self.warned.discard(key)
+            elif key not in self.warned:
+                self.warned.add(key)
+                warnings.append(self.message(step, key, share, failed, failed + given))
+        return "; ".join(warnings) or None
+
+    def _sum(self, name: str) -> float:
+        return sum(float(m.get(name, 0.0)) for _, m in self.recent)
+
+    def message(self, step: int, key: str, share: float, failed: float, total: float) -> str:
+        prefix = f"reward/{key}/"
+        names = sorted({k[len(prefix):] for _, m in self.recent for k in m
+                        if k.startswith(prefix) and k[len(prefix):] not in OWN_METRICS})
+        counters = [f"{name} {self._sum(prefix + name):g}" for name in names if self._sum(prefix + name)]
+        first = self.recent[0][0]
+        where = f"step {step}" if first == step else f"steps {first}-{step}"
+        weights = {r.label or r.name: r.weight for r in self.cfg.rewards}
+        effect = "weight 0: training is unaffected" if weights.get(key) == 0 else "those samples get no loss"
+        return (f"{where}: reward {key!r} failed on {100 * share:.0f}% of its values ({failed:g} of {total:g}; "
+                f"{effect})" + (f" [{', '.join(counters)}]" if counters else "") +
+                f"; see reward/{key}/* in metrics.jsonl and check it with `vlmrl inspect-reward`")
