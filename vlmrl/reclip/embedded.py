@@ -176,7 +176,7 @@ class EmbeddedStudent(TwoTower):
         arrays = [np.asarray(im.convert("RGB").resize((side, side), Image.Resampling.BILINEAR), dtype=np.float32)
                   for im in images]
         x = torch.from_numpy(np.stack(arrays)).permute(0, 3, 1, 2) / 255.0
-        return (x - 0.5) / 0.5
+        return ((x - 0.5) / 0.5).to(self.log_scale.device)  # on the towers' device (a student served on a GPU)
 
     @torch.no_grad()
     def image_inputs(self, images: Sequence[Image.Image]) -> torch.Tensor:
@@ -201,7 +201,7 @@ class EmbeddedStudent(TwoTower):
     def text_inputs(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """The frozen prefix: token embeddings and the first 6 - k BERT layers, [B, L, 384], plus the mask."""
         batch = self.tokenizer(list(texts), padding=True, truncation=True, max_length=self.cfg.max_text_length,
-                               return_tensors="pt")
+                               return_tensors="pt").to(self.log_scale.device)
         mask = batch["attention_mask"]
         x = self.text_tower.embeddings(input_ids=batch["input_ids"], token_type_ids=batch.get("token_type_ids"))
         for layer in self.text_tower.encoder.layer[:self.cut_text]:

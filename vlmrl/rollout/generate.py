@@ -8,6 +8,7 @@ logs the gap between the two (rollout/logprob_gap_*).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -15,6 +16,8 @@ from torch import Tensor
 
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
+
+OnToken = Callable[[Tensor, Tensor], Tensor | None]  # (tokens [N], alive [N]) -> rows to end now, or None
 
 
 @dataclass
@@ -90,24 +93,32 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
 
 
 @torch.no_grad()
-def generate(policy: Policy, prompts: PromptBatch, group_size: int, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             prompt_seeds: list[int] | None = None) -> Rollout:
-    """Sample `group_size` completions for every prompt in one batched call.
+def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], max_new_tokens: int,
+             temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
+             prompt_seeds: list[int] | None = None, on_token: OnToken | None = None) -> Rollout:
+    """Sample `group_size` completions for every prompt in one batched call (a list: that many for each prompt).
 
     With `prompt_seeds` (one per prompt), each prompt's answers draw their noise from their own random stream, so
     they do not depend on which other prompts share the batch: the same seeds give the same answers whether the
     step runs in one process or is sharded across ranks. Otherwise `generator` drives the whole batch.
+
+    `on_token(tokens, alive)` is called after every decoding step with the sampled tokens [N] and which rows were
+    still generating [N] (a finished row's token is padding); it may return a bool [N] of rows to end after this
+    token (the server's stop strings, per-request max_tokens, a client gone). The other rows are unaffected.
     """
     family = policy.family
-    index = torch.arange(len(prompts)).repeat_interleave(group_size)
+    sizes = [group_size] * len(prompts) if isinstance(group_size, int) else [int(g) for g in group_size]
+    index = torch.arange(len(prompts)).repeat_interleave(torch.tensor(sizes, dtype=torch.long))
     pe = family.prompt_embeds(prompts)
     # the prompt is encoded (vision tower and prefill) once; its KV cache is then repeated for the G answers
     cache = family.new_cache()
     hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache, pe.extras)[:, -1]
-    if group_size > 1:
+    if isinstance(group_size, int) and group_size > 1:
         cache.batch_repeat_interleave(group_size)
         hidden = hidden.repeat_interleave(group_size, dim=0)
+    elif not isinstance(group_size, int) and len(index) != len(prompts):  # answers per prompt vary (the server)
+        cache.batch_select_indices(index.to(hidden.device))
+        hidden = hidden[index.to(hidden.device)]
     pe = pe.select(index.to(pe.embeds.device))
     n, device = len(index), pe.embeds.device
     eos = torch.tensor(policy.eos_token_ids, device=device)
@@ -117,19 +128,26 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int, max_new_toke
     streams, uniform = None, None
     if prompt_seeds is not None and temperature > 0:
         streams = [torch.Generator(device=device).manual_seed(int(s)) for s in prompt_seeds]
+    starts = [0]
+    for size in sizes:
+        starts.append(starts[-1] + size)
     for t in range(max_new_tokens):
         logits = family.lm_head(hidden)
         if streams is not None:  # (one buffer for the whole loop: refilled each token)
             uniform = torch.empty(n, logits.shape[-1], device=device) if uniform is None else uniform
             for i, g in enumerate(streams):  # each prompt's answers from its own stream, written in place
-                torch.rand(group_size, logits.shape[-1], generator=g, device=device,
-                           out=uniform[i * group_size:(i + 1) * group_size])
+                torch.rand(sizes[i], logits.shape[-1], generator=g, device=device,
+                           out=uniform[starts[i]:starts[i + 1]])
         tok, logp = sample_tokens(logits, temperature, top_k, top_p, generator, uniform)
         tok = torch.where(alive, tok, policy.pad_token_id)
         tokens.append(tok)
         logps.append(torch.where(alive, logp, 0.0))
         alive_steps.append(alive)
         alive = alive & ~torch.isin(tok, eos)
+        if on_token is not None:
+            ended = on_token(tok, alive_steps[-1])
+            if ended is not None:
+                alive = alive & ~ended.to(device)
         if not alive.any() or t == max_new_tokens - 1:
             break
         mask = torch.cat([mask, alive_steps[-1].long()[:, None]], dim=1)

@@ -122,9 +122,14 @@ class VLProcessor:
     def prompt_text(self, problem: str, n_images: int) -> str:
         """The chat-formatted prompt: one user turn with the images first, then the problem; generation prompt on."""
         content = [{"type": "image"}] * n_images + [{"type": "text", "text": problem}]
-        messages = [{"role": "user", "content": content}]
-        if self.system_prompt:
-            messages.insert(0, {"role": "system", "content": [{"type": "text", "text": self.system_prompt}]})
+        return self.chat_text([{"role": "user", "content": content}])
+
+    def chat_text(self, messages: list[dict]) -> str:
+        """A conversation (`{"role", "content": [{"type": "image"} | {"type": "text", "text"}]}` turns) rendered
+        with the chat template, generation prompt on; `system_prompt` goes first when it has no system turn.
+        `prompt_text` is its one-user-turn case; the server (vlmrl.serve.chat) renders whole conversations."""
+        if self.system_prompt and not (messages and messages[0]["role"] == "system"):
+            messages = [{"role": "system", "content": [{"type": "text", "text": self.system_prompt}]}, *messages]
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
                                                   add_generation_prompt=True)
 
@@ -184,6 +189,13 @@ class VLProcessor:
     def __call__(self, problems: list[str], images: list[list], sample_ids: list[str],
                  max_prompt_length: int | None = None) -> PromptBatch:
         texts = [self.prompt_text(p, len(ims)) for p, ims in zip(problems, images, strict=True)]
+        return self.build(texts, images, sample_ids, max_prompt_length)
+
+    def build(self, texts: list[str], images: list[list], sample_ids: list[str],
+              max_prompt_length: int | None = None) -> PromptBatch:
+        """Chat-formatted `texts` (one image marker per image, from `prompt_text` or `chat_text`) and their images
+        -> a PromptBatch: placeholders expanded, tokenised, length and image-token counts checked."""
+        texts = list(texts)
         flat = [im for ims in images for im in ims]
         inputs = self.process_images(flat) if flat else ImageInputs({}, {}, [], [])
         start = 0

@@ -1,0 +1,196 @@
+"""What makes a vlmrl server safe on a network, without a model: image decoding that names each problem and never
+reads a path, remote images only when allowed, the body limit, the API key, OpenAI-shaped errors, the limits."""
+
+from __future__ import annotations
+
+import base64
+import http.server
+import io
+import threading
+import warnings
+
+import pytest
+from fastapi import Depends, FastAPI
+from fastapi.testclient import TestClient
+from PIL import Image
+from pydantic import BaseModel
+
+from vlmrl.errors import ConfigError
+from vlmrl.serve.guard import (
+    BodyLimit,
+    RequestError,
+    ServeLimits,
+    api_key_dependency,
+    check_bind,
+    check_limit,
+    decode_image,
+    install_errors,
+    read_api_key,
+)
+
+
+def png(size=(20, 10), mode="RGB") -> bytes:
+    buf = io.BytesIO()
+    Image.new(mode, size, (255, 0, 0, 255) if mode == "RGBA" else (255, 0, 0)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def data_url(data: bytes, media: str = "image/png") -> str:
+    return f"data:{media};base64," + base64.b64encode(data).decode()
+
+
+DEFAULT = ServeLimits()
+
+
+def refused(source, limits=DEFAULT, status=400) -> str:
+    with pytest.raises(RequestError) as err:
+        decode_image(source, limits, "image_url")
+    assert err.value.status == status and err.value.param == "image_url"
+    return err.value.message
+
+
+def test_decode_image_takes_data_urls_and_bytes_and_names_each_problem():
+    image = decode_image(data_url(png(mode="RGBA")), ServeLimits())
+    assert image.mode == "RGB" and image.size == (20, 10) and image.getpixel((0, 0)) == (255, 0, 0)
+    assert decode_image(png(), ServeLimits()).size == (20, 10)
+    assert "base64,<data>" in refused("data:image/png,abc")  # not base64
+    assert "does not decode" in refused("data:image/png;base64,@@@")
+    assert "not an image" in refused(data_url(b"hello", "text/plain"))
+    assert "not a readable image" in refused(data_url(b"hello"))
+    assert "does not decode" in refused(data_url(png()[:50]))  # a truncated PNG
+    assert "20x10 pixels is over the server's limit of 100" in refused(data_url(png()), ServeLimits(max_image_pixels=100))
+    assert "expected a data URL string" in refused(12)
+
+
+def test_a_decompression_bomb_is_refused_before_it_is_decoded():
+    big = png((2000, 2000))  # 4 Mpx of one colour: a few kB of PNG
+    assert len(big) < 100_000
+    assert "over the server's limit" in refused(data_url(big), ServeLimits(max_image_pixels=1_000_000))
+
+
+def test_paths_are_never_read(tmp_path):
+    real = tmp_path / "real.png"  # a readable image: a decoder that followed paths would return it
+    real.write_bytes(png())
+    for source in (str(real), f"file://{real}", "../../etc/passwd", "/etc/passwd", "file:///etc/passwd", "~/x.png",
+                   "real.png"):
+        assert "file paths are never read" in refused(source)
+        assert "file paths are never read" in refused(source, ServeLimits(allow_remote_images=True))
+
+
+@pytest.fixture
+def image_host():
+    """A loopback HTTP server: /ok.png is an image, anything else 404."""
+    body = png()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if self.path == "/ok.png":
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+            else:
+                self.send_error(404)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def test_remote_images_only_when_allowed(image_host):
+    assert "remote image URLs are off" in refused(f"{image_host}/ok.png")
+    allowed = ServeLimits(allow_remote_images=True)
+    assert decode_image(f"{image_host}/ok.png", allowed).size == (20, 10)
+    assert "gave HTTP 404" in refused(f"{image_host}/missing.png", allowed)
+    assert "is over 50 bytes" in refused(f"{image_host}/ok.png", ServeLimits(allow_remote_images=True,
+                                                                             max_body_bytes=50), 413)
+
+
+# ---------------------------------------------------------------------------------------------------------- HTTP
+class Echo(BaseModel):
+    text: str
+    count: int = 1
+
+
+def app_with(key: str | None = None, max_bytes: int = 1000) -> TestClient:
+    app = FastAPI()
+    install_errors(app)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes)
+
+    @app.post("/v1/echo", dependencies=[Depends(api_key_dependency(key))])
+    async def echo(body: Echo):
+        check_limit(body.count, 3, "count")
+        return {"text": body.text}
+
+    return TestClient(app)
+
+
+def test_body_limit_is_413_by_length_and_while_streaming():
+    client = app_with(max_bytes=100)
+    assert client.post("/v1/echo", json={"text": "x" * 50}).status_code == 200
+    r = client.post("/v1/echo", json={"text": "x" * 200})
+    assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
+
+    def chunks():  # no Content-Length: chunked transfer, cut off once past the limit
+        yield b'{"text": "'
+        for _ in range(20):
+            yield b"x" * 10
+        yield b'"}'
+
+    r = client.post("/v1/echo", content=chunks(), headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit of 100 bytes" in r.json()["error"]["message"]
+
+
+def test_api_key_needs_a_bearer_header_with_the_key():
+    client = app_with(key="s3cret")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"},
+                    {"Authorization": "Bearer s3cre"}):
+        r = client.post("/v1/echo", json={"text": "a"}, headers=headers)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer", headers
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    assert client.post("/v1/echo", json={"text": "a"}, headers={"Authorization": "bearer s3cret"}).status_code == 200
+    assert app_with(key=None).post("/v1/echo", json={"text": "a"}).status_code == 200
+
+
+def test_errors_have_openais_shape():
+    client = app_with()
+    r = client.post("/v1/echo", json={"count": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "text" and "text: Field required" in \
+        r.json()["error"]["message"]
+    r = client.post("/v1/echo", json={"text": "a", "count": 4})
+    assert r.status_code == 400 and r.json()["error"] == {
+        "message": "count=4: expected an integer from 1 to 3 (the server's limit)", "type": "invalid_request_error",
+        "param": "count", "code": None}
+    r = client.get("/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_read_api_key_and_check_bind(monkeypatch):
+    assert read_api_key(None) is None
+    monkeypatch.delenv("VLMRL_TEST_KEY", raising=False)
+    with pytest.raises(ConfigError, match="VLMRL_TEST_KEY: the environment variable is not set"):
+        read_api_key("VLMRL_TEST_KEY")
+    monkeypatch.setenv("VLMRL_TEST_KEY", "k")
+    assert read_api_key("VLMRL_TEST_KEY") == "k"
+    with pytest.warns(UserWarning, match="without an API key"):
+        check_bind("0.0.0.0", None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_bind("0.0.0.0", "k")
+        check_bind("127.0.0.1", None)
+
+
+def test_limits_are_checked():
+    with pytest.raises(ConfigError, match="max_batch=0"):
+        ServeLimits(max_batch=0)
+    with pytest.raises(ConfigError, match="batch_wait_ms=-1"):
+        ServeLimits(batch_wait_ms=-1)
+    for bad in (True, 0, 4, 2.0, "2"):
+        with pytest.raises(RequestError, match="expected an integer from 1 to 3"):
+            check_limit(bad, 3, "n")
+    check_limit(3, 3, "n")
+    check_limit(0, 3, "images", low=0)

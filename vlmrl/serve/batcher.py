@@ -1,0 +1,270 @@
+"""Dynamic batching for the chat server: concurrent requests become one `generate` call.
+
+A request is a `Job`: its processed prompt (one row), how many answers it needs, its temperature and top_p, its own
+max_tokens, stop strings and seed, and a queue its HTTP handler reads. The `Batcher` lives on the server's event loop.
+When the model is free it takes the oldest waiting job and, waiting at most `batch_wait_ms` after that job arrived,
+every waiting job with the same temperature and top_p, up to `max_batch` answers and `max_batch_tokens` (answers x
+(longest prompt + largest max_tokens), what the KV cache holds). It runs them as ONE `generate` call in its worker
+thread, so the event loop goes on accepting requests; they form the next batch.
+
+Each job's answers draw from their own random stream (`generate`'s `prompt_seeds`), so an answer depends on its seed,
+not on which jobs share its batch. During the call, `Decoder.step` (generate's `on_token`) decodes every answer as it
+grows, cuts it at its first stop string or at its job's max_tokens (ending that row; the others go on) and sends the
+new text to the job's queue: the handler streams it or collects it, so both give the same text. A job whose client
+went away or timed out is cancelled: its rows end at the next token, the batch goes on for the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from vlmrl.models.batch import PromptBatch, concat_prompt_batches
+from vlmrl.models.policy import Policy
+from vlmrl.rollout.generate import generate
+from vlmrl.serve.guard import RequestError, ServeLimits
+
+log = logging.getLogger(__name__)
+
+@dataclass(eq=False)
+class Job:
+    """One chat request's answers. Events on `events`: ("delta", choice, text), ("end", choice, finish_reason,
+    completion_tokens) once per choice, or ("error", exception) once."""
+
+    prompt: PromptBatch  # one row
+    n: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: tuple[str, ...] = ()
+    created: float = field(default_factory=time.monotonic)
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: bool = False
+
+    @property
+    def rows(self) -> int:
+        """Answers generated: greedy answers are all equal, so n > 1 at temperature 0 generates one and copies it."""
+        return 1 if self.temperature <= 0 else self.n
+
+    @property
+    def key(self) -> tuple[float, float]:
+        """Jobs with equal keys can share a generate call (it takes one temperature and top_p)."""
+        return (0.0, 1.0) if self.temperature <= 0 else (float(self.temperature), float(self.top_p))
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.prompt.attention_mask.sum())
+
+    def cancel(self) -> None:
+        """Stop generating for this job (its rows end at the next token); safe to call when it finished."""
+        self.cancelled = True
+
+
+def batch_tokens(jobs: list[Job]) -> int:
+    """What one generate call over `jobs` holds in its KV cache: answers x (longest prompt + largest max_tokens)."""
+    return sum(j.rows for j in jobs) * (max(j.prompt_tokens for j in jobs) + max(j.max_tokens for j in jobs))
+
+
+class Batcher:
+    """Collects jobs on the event loop and runs compatible ones together in one worker thread (module docstring).
+    `calls` counts generate calls, `batch_answers` the answers of each, `cancelled_answers` the answers ended early
+    because their client left or timed out (/healthz reports them; the tests and benchmarks read them)."""
+
+    def __init__(self, policy: Policy, limits: ServeLimits):
+        self.policy, self.limits = policy, limits
+        self.pending: list[Job] = []
+        self.calls = 0
+        self.batch_answers: list[int] = []
+        self.cancelled_answers = 0
+        self._arrived: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="vlmrl-generate")
+        self._running: list[Job] = []
+
+    # -- the event-loop side -------------------------------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        """Queue `job`; a job that could never fit one generate call is a 400 naming the limit."""
+        if job.rows > self.limits.max_batch:
+            raise RequestError(400, f"n={job.n}: more answers than the server generates in one call "
+                                    f"(max_batch={self.limits.max_batch})", "n")
+        if batch_tokens([job]) > self.limits.max_batch_tokens:
+            raise RequestError(400, f"n x (prompt tokens + max_tokens) = {job.rows} x ({job.prompt_tokens} + "
+                                    f"{job.max_tokens}) is over the server's limit of {self.limits.max_batch_tokens} "
+                                    "tokens per generation call; lower max_tokens or n", "max_tokens")
+        self.pending.append(job)
+        self._arrived.set()
+
+    async def start(self) -> None:
+        self._arrived = asyncio.Event()
+        self._task = asyncio.create_task(self._serve(), name="vlmrl-batcher")
+
+    async def stop(self) -> None:
+        """Shutting down: running answers end at their next token; every unfinished request gets a 503."""
+        for job in self.pending + self._running:
+            job.cancel()
+            job.events.put_nowait(("error", RequestError(503, "the server is shutting down")))
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True)
+
+    def select(self) -> list[Job]:
+        """The next batch, oldest job first: waiting jobs with its key, in arrival order, while they fit."""
+        live = [j for j in self.pending if not j.cancelled]
+        if not live:
+            return []
+        batch = [live[0]]
+        for job in live[1:]:
+            if job.key == live[0].key and sum(j.rows for j in batch) + job.rows <= self.limits.max_batch \
+                    and batch_tokens(batch + [job]) <= self.limits.max_batch_tokens:
+                batch.append(job)
+        return batch
+
+    async def _serve(self) -> None:
+        loop = asyncio.get_running_loop()
+        wait = self.limits.batch_wait_ms / 1000
+        while True:
+            await self._arrived.wait()
+            self._arrived.clear()
+            self.pending = [j for j in self.pending if not j.cancelled]
+            if not self.pending:
+                continue
+            deadline = self.pending[0].created + wait  # a job waits at most batch_wait_ms for company
+            while sum(j.rows for j in self.select()) < self.limits.max_batch \
+                    and (left := deadline - time.monotonic()) > 0:
+                try:
+                    await asyncio.wait_for(self._arrived.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+                self._arrived.clear()
+            batch = self.select()
+            taken = set(map(id, batch))
+            self.pending = [j for j in self.pending if id(j) not in taken and not j.cancelled]
+            if self.pending:
+                self._arrived.set()  # the jobs left over form the next batch
+            if batch:
+                self._running = batch
+                try:
+                    await loop.run_in_executor(self._executor, self._generate, batch, loop)
+                except RuntimeError:  # the executor is shut down: the server is stopping
+                    return
+                finally:
+                    self._running = []
+
+    # -- the worker-thread side ----------------------------------------------------------------------------------
+    def _generate(self, batch: list[Job], loop: asyncio.AbstractEventLoop) -> None:
+        self.calls += 1
+        self.batch_answers.append(sum(j.rows for j in batch))
+        decoder = Decoder(batch, self.policy, loop)
+        try:
+            prompts = batch[0].prompt if len(batch) == 1 else \
+                concat_prompt_batches([j.prompt for j in batch], self.policy.pad_token_id)
+            temperature, top_p = batch[0].key
+            generate(self.policy, prompts, [j.rows for j in batch], max(j.max_tokens for j in batch), temperature,
+                     top_p=top_p, prompt_seeds=[j.seed for j in batch], on_token=decoder.step)
+            decoder.close()
+        except Exception as exc:  # the whole call failed: every job of it gets the error, the server goes on
+            log.exception("generation failed for a batch of %d requests", len(batch))
+            decoder.fail(exc)
+        self.cancelled_answers += decoder.cancelled
+
+
+@dataclass
+class _Answer:
+    job: Job
+    choices: list[int]  # the job's choice indices this row feeds (all n for a greedy job)
+    ids: list[int] = field(default_factory=list)  # generated tokens, the end token excluded
+    generated: int = 0  # generated tokens, the end token included (usage.completion_tokens)
+    sent: str = ""  # text already sent
+    done: bool = False
+
+
+class Decoder:
+    """generate's `on_token` for one batch: per-row text, stop strings, max_tokens, events to the jobs' queues."""
+
+    def __init__(self, batch: list[Job], policy: Policy, loop: asyncio.AbstractEventLoop):
+        self.tokenizer, self.loop = policy.processor.tokenizer, loop
+        self.eos = set(policy.eos_token_ids)
+        self.answers = [_Answer(job, list(range(job.n)) if job.rows == 1 else [r])
+                        for job in batch for r in range(job.rows)]
+        self.cancelled = 0  # answers ended because their job was cancelled
+
+    def step(self, tokens: Tensor, alive: Tensor) -> Tensor:
+        ended = []
+        for answer, token, live in zip(self.answers, tokens.tolist(), alive.tolist(), strict=True):
+            if live and not answer.done:
+                self._advance(answer, token)
+            ended.append(answer.done)
+        return torch.tensor(ended)
+
+    def _advance(self, answer: _Answer, token: int) -> None:
+        job = answer.job
+        if job.cancelled:
+            answer.done = True  # nobody reads it any more
+            self.cancelled += 1
+            return
+        answer.generated += 1
+        if token in self.eos:
+            return self._finish(answer, self._text(answer), "stop")
+        answer.ids.append(token)
+        text = self._text(answer)
+        cut = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
+        if cut >= 0:
+            return self._finish(answer, text[:cut], "stop")
+        if len(answer.ids) >= job.max_tokens:
+            return self._finish(answer, text, "length")
+        self._send(answer, text[:len(text) - held_back(text, job.stop)])
+
+    def _text(self, answer: _Answer) -> str:
+        return self.tokenizer.decode(answer.ids, skip_special_tokens=True)
+
+    def _send(self, answer: _Answer, text: str) -> None:
+        """Send what `text` adds to what was sent (only ever a continuation of it)."""
+        if len(text) > len(answer.sent) and text.startswith(answer.sent):
+            for choice in answer.choices:
+                self._put(answer.job, ("delta", choice, text[len(answer.sent):]))
+            answer.sent = text
+
+    def _finish(self, answer: _Answer, text: str, reason: str) -> None:
+        self._send(answer, text)
+        answer.done = True
+        for choice in answer.choices:
+            self._put(answer.job, ("end", choice, reason, answer.generated))
+
+    def close(self) -> None:
+        """After generate returned: a row still open (none should be) ends at its length."""
+        for answer in self.answers:
+            if not answer.done and not answer.job.cancelled:
+                self._finish(answer, self._text(answer), "length")
+
+    def fail(self, exc: Exception) -> None:
+        for job in dict.fromkeys(a.job for a in self.answers):
+            self._put(job, ("error", exc))
+
+    def _put(self, job: Job, event: tuple) -> None:
+        try:
+            self.loop.call_soon_threadsafe(job.events.put_nowait, event)
+        except RuntimeError:  # the event loop closed (server shutting down): nobody to tell
+            pass
+
+
+def held_back(text: str, stop: tuple[str, ...]) -> int:
+    """How many trailing characters of `text` may not be sent yet: the longest end of it that begins a stop string
+    (it may yet become one, and stop strings are never sent), and an incomplete UTF-8 character ("\\ufffd")."""
+    hold = len(text) - len(text.rstrip("\ufffd"))
+    for s in stop:
+        for k in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:k]):
+                hold = max(hold, k)
+                break
+    return hold
