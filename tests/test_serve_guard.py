@@ -194,3 +194,16 @@ def test_limits_are_checked():
             check_limit(bad, 3, "n")
     check_limit(3, 3, "n")
     check_limit(0, 3, "images", low=0)
+
+
+def test_serve_without_the_serve_extra_is_one_line(monkeypatch, capsys, tmp_path):
+    """No fastapi/uvicorn installed: `vlmrl serve` says which extra to install, exit 2, no traceback."""
+    import importlib.util
+
+    from vlmrl.cli import main
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    assert main(["serve", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: vlmrl serve needs uvicorn: pip install 'vlmrl[serve]'"]

@@ -17,7 +17,6 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from vlmrl.data.sample import infer_answer_type
 from vlmrl.rewards.parsing import (
     EXTRACT_MODES,
     completion_text,
@@ -71,6 +70,8 @@ def _select_answer(completion: str, truncated: bool, extract: str, strict: bool)
 def _infer_answer_type(solution: Any) -> str:
     """number if the solution is one number (`3/4` and `\\frac{3}{4}` too); math or text as the data contract infers
     it for files (`vlmrl.data.infer_answer_type`: LaTeX, `^`, a percentage, an interval, digits with operators)."""
+    from vlmrl.data.sample import infer_answer_type  # here: reward workers need not import the data package
+
     first = str(solution[0] if isinstance(solution, (list, tuple)) and solution else solution)
     if parse_number(first, exact=True) is not None:
         return "number"

@@ -112,7 +112,19 @@ def _limits(args):
                        max_inputs=args.max_inputs, max_top_k=args.max_top_k)
 
 
+def _need_serve_extra() -> None:
+    """One line instead of an ImportError traceback when the `serve` extra is not installed."""
+    import importlib.util
+
+    from vlmrl.errors import ConfigError
+
+    missing = [m for m in ("fastapi", "uvicorn", "python_multipart") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ConfigError(f"vlmrl serve needs {', '.join(missing)}: pip install 'vlmrl[serve]'")
+
+
 def cmd_serve(args) -> int:
+    _need_serve_extra()
     import uvicorn
 
     from vlmrl.errors import ConfigError

@@ -195,7 +195,7 @@ def _faiss():
     try:
         import faiss
     except ImportError:
-        raise ImportError("vlmrl index needs faiss: pip install 'vlmrl[serve]' (faiss-cpu)") from None
+        raise ConfigError("vlmrl index needs faiss: pip install 'vlmrl[serve]' (faiss-cpu)") from None
     return faiss
 
 
