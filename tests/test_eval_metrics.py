@@ -211,3 +211,16 @@ def test_rollout_metrics_pool_counts_over_ranks():
     assert two["tokens_per_correct"] == pytest.approx(37.0) and two["backtracking/share"] == pytest.approx(2 / 5)
     assert two["compute/seconds_per_1k_rollouts"] == pytest.approx(50.0)  # 1000 * 0.5 / 10
     assert two["compute/gpu_seconds_per_1k_rollouts"] == pytest.approx(100.0)  # 1000 * 0.5 * 2 / 10
+
+
+def test_eval_table_prints_rates_as_percent_and_counts_as_integers():
+    from vlmrl.eval.report import MARKER_SETS, REFLECTION_RATIOS
+    from vlmrl.eval.tables import eval_table
+
+    metrics = {"accuracy": 0.5, "mean_length": 6.0, "reward/accuracy/failures": 3.0, "reward_failed_samples": 0.0,
+               "n": 8}
+    result = {"metrics": metrics, "per_task": {}, **{m: {"ratios": dict.fromkeys(REFLECTION_RATIOS)}
+                                                       for m in MARKER_SETS}}
+    rows = {line.split()[0]: line.split()[1] for line in eval_table({"T=0": result}).splitlines()[2:] if line.strip()}
+    assert rows["accuracy"] == "50.0%" and rows["mean_length"] == "6.00"
+    assert rows["reward/accuracy/failures"] == "3" and rows["reward_failed_samples"] == "0" and rows["n"] == "8"

@@ -13,6 +13,17 @@ def _cell(v, pct: bool = True) -> str:
     return f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
+def _is_count(key: str) -> bool:
+    """Metrics that count samples or failures: printed as integers, not as 3.00."""
+    return key.endswith(("/failures", "failed_samples")) or key in ("n", "samples_per_prompt")
+
+
+def _metric_cell(key: str, v) -> str:
+    if _is_count(key) and isinstance(v, (int, float)) and float(v).is_integer():
+        return str(int(v))
+    return _cell(v, is_rate(key))
+
+
 def _grid(header: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
 
@@ -28,7 +39,7 @@ def eval_table(results: dict[str, dict]) -> str:
     labels = list(results)
     keys = list(dict.fromkeys(k for res in results.values() for k in res["metrics"]
                               if not k.startswith(("task/", *(f"{m}/" for m in MARKER_SETS)))))
-    rows = [[k, *[_cell(results[t]["metrics"][k], is_rate(k)) if k in results[t]["metrics"] else "-"
+    rows = [[k, *[_metric_cell(k, results[t]["metrics"][k]) if k in results[t]["metrics"] else "-"
                   for t in labels]] for k in keys]
     out = [_grid(["metric", *labels], rows)]
     tasks = list(dict.fromkeys(t for res in results.values() for t in res.get("per_task", {})))
