@@ -156,10 +156,15 @@ def test_split_reasoning_finds_every_kind_of_block():
 
 
 @given(st.lists(st.sampled_from(["<think>", "</think>", "a", " b", "<answer>", "\n"]), max_size=12))
-def test_split_reasoning_leaves_what_strip_think_leaves(parts):
-    """The answer part is exactly what the rewards parse (strip_think), for any arrangement of tags."""
+def test_split_reasoning_leaves_no_tag_in_what_rewards_parse(parts):
+    """For any arrangement of tags, the answer part (what strip_think gives the rewards) holds no think tag, the
+    reasoning is None exactly when there is no tag, and a text without tags is all answer."""
     text = "".join(parts)
-    assert split_reasoning(text)[1] == strip_think(text)
+    reasoning, rest = split_reasoning(text)
+    assert rest == strip_think(text) and "<think>" not in rest and "</think>" not in rest
+    assert (reasoning is None) == ("<think>" not in text and "</think>" not in text)
+    if reasoning is None:
+        assert rest == text
 
 
 def test_chain_metrics_on_crafted_answers():

@@ -15,34 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from vlmrl.eval.metrics import ReflectionCounts
+from vlmrl.rewards.parsing import split_reasoning
 
 TokenCounter = Callable[[list[str]], list[int]]
-
-
-def split_reasoning(text: str, think_tag: str = "think") -> tuple[str | None, str]:
-    """(reasoning, rest) of a completion: the content of every `<think>...</think>` block, of an unclosed `<think>`
-    to the end, and everything before a stray `</think>` (a template that opens the block in the prompt), joined by
-    newlines, tags removed; None when there is no think tag at all. `rest` equals `strip_think(text, think_tag)`
-    (the same linear scan; tests hold them equal)."""
-    open_, close = f"<{think_tag}>", f"</{think_tag}>"
-    inside, outside, pos = [], [], 0
-    while pos < len(text):
-        start = text.find(open_, pos)
-        if start < 0:
-            outside.append(text[pos:])
-            break
-        outside.append(text[pos:start])
-        end = text.find(close, start + len(open_))
-        inside.append(text[start + len(open_):] if end < 0 else text[start + len(open_):end])
-        pos = len(text) if end < 0 else end + len(close)
-    rest = "".join(outside)
-    if close in rest:  # the block was opened in the prompt: the reasoning runs up to the last stray close
-        cut = rest.rindex(close)
-        inside.insert(0, rest[:cut].replace(close, "\n"))
-        rest = rest[cut + len(close):]
-    if not inside:
-        return None, rest
-    return "\n".join(part.strip() for part in inside).strip(), rest
 
 
 def token_counter(tokenizer) -> TokenCounter:

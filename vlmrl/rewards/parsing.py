@@ -32,21 +32,36 @@ def completion_text(completion: Any) -> str:
 # --------------------------------------------------------------------------------------------- answer extraction
 
 
-def strip_think(text: str, think_tag: str = "think") -> str:
-    """`text` without its reasoning: every `<think>...</think>` block, everything up to a stray `</think>` (templates
-    that open the block in the prompt), and an unclosed `<think>` to the end of the text."""
+def split_reasoning(text: str, think_tag: str = "think") -> tuple[str | None, str]:
+    """(reasoning, rest) of a completion: the content of every `<think>...</think>` block, of an unclosed `<think>`
+    to the end, and everything before a stray `</think>` (a template that opens the block in the prompt), joined by
+    newlines, tags removed; None when there is no think tag at all. `rest` is what `strip_think` keeps. A linear
+    scan: a regex here is quadratic on a run of unclosed tags."""
     open_, close = f"<{think_tag}>", f"</{think_tag}>"
-    kept, pos = [], 0
-    while pos < len(text):  # a linear scan: a regex here is quadratic on a run of unclosed tags
+    inside, outside, pos = [], [], 0
+    while pos < len(text):
         start = text.find(open_, pos)
         if start < 0:
-            kept.append(text[pos:])
+            outside.append(text[pos:])
             break
-        kept.append(text[pos:start])
+        outside.append(text[pos:start])
         end = text.find(close, start + len(open_))
+        inside.append(text[start + len(open_):] if end < 0 else text[start + len(open_):end])
         pos = len(text) if end < 0 else end + len(close)
-    outside = "".join(kept)
-    return outside[outside.rindex(close) + len(close) :] if close in outside else outside
+    rest = "".join(outside)
+    if close in rest:  # the block was opened in the prompt: the reasoning runs up to the last stray close
+        cut = rest.rindex(close)
+        inside.insert(0, rest[:cut].replace(close, "\n"))
+        rest = rest[cut + len(close):]
+    if not inside:
+        return None, rest
+    return "\n".join(part.strip() for part in inside).strip(), rest
+
+
+def strip_think(text: str, think_tag: str = "think") -> str:
+    """`text` without its reasoning: every `<think>...</think>` block, everything up to a stray `</think>` (templates
+    that open the block in the prompt), and an unclosed `<think>` to the end of the text (`split_reasoning`'s rest)."""
+    return split_reasoning(text, think_tag)[1]
 
 
 def extract_tag(text: str, tag: str = "answer", think_tag: str | None = "think") -> str | None:
