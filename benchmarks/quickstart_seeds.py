@@ -40,6 +40,13 @@ def run_seed(seed: int, overrides: list[str], out_root: Path) -> dict:
             "curve": [(r["step"], r["greedy/accuracy"]) for r in evals]}
 
 
+def ci(row: dict, key: str = "greedy/accuracy") -> str:
+    """'65.7 [62.0, 69.4]': the accuracy with its 95% interval, in %."""
+    low, high = row.get(f"{key}_ci_low"), row.get(f"{key}_ci_high")
+    interval = f" [{100 * low:.1f}, {100 * high:.1f}]" if low is not None and high is not None else ""
+    return f"{100 * row[key]:.1f}{interval}"
+
+
 def mean_std(xs: list[float]) -> str:
     sd = statistics.stdev(xs) if len(xs) > 1 else 0.0
     return f"{100 * statistics.mean(xs):.1f} ± {100 * sd:.1f}"
@@ -50,6 +57,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--out", default="/tmp/vlmrl-bench/quickstart")
     p.add_argument("--jobs", type=int, default=1, help="seeds run at once (each then gets a share of the cores)")
+    p.add_argument("--results", default="quickstart_seeds.json", help="file name under benchmarks/results/")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     with ThreadPoolExecutor(args.jobs) as pool:  # --jobs 1: one after another, the way a user runs it
@@ -59,7 +67,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         s, f = r["start"], r["final"]
-        print(f"| {r['seed']} | {100 * s['greedy/accuracy']:.1f} | {100 * f['greedy/accuracy']:.1f} | "
+        print(f"| {r['seed']} | {ci(s)} | {ci(f)} | "
               f"{100 * (f['greedy/accuracy'] - s['greedy/accuracy']):+.1f} | {100 * s['sampled/accuracy']:.1f} | "
               f"{100 * f['sampled/accuracy']:.1f} | {r['wall_seconds']:.0f} s | {r['cpu_seconds']:.0f} s | "
               f"{r['peak_rss_mb']:.0f} MB |")
@@ -74,7 +82,7 @@ def main() -> None:
           f"{max(r['peak_rss_mb'] for r in results):.0f} MB (max) |")
     out = ROOT / "benchmarks/results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / "quickstart_seeds.json").write_text(json.dumps(results, indent=1))
+    (out / args.results).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -229,3 +229,30 @@ def test_eval_table_prints_rates_as_percent_and_counts_as_integers():
     rows = {line.split()[0]: line.split()[1] for line in eval_table({"T=0": result}).splitlines()[2:] if line.strip()}
     assert rows["accuracy"] == "50.0%" and rows["mean_length"] == "6.00"
     assert rows["reward/accuracy/failures"] == "3" and rows["reward_failed_samples"] == "0" and rows["n"] == "8"
+
+
+def test_every_printed_accuracy_carries_its_interval():
+    from vlmrl.eval.report import MARKER_SETS, REFLECTION_RATIOS, before_after
+    from vlmrl.eval.tables import eval_table
+
+    metrics = {"accuracy": 0.3, "accuracy_ci_low": 0.2189, "accuracy_ci_high": 0.3959, "n": 100}
+    per_task = {"a": dict(metrics), "b": {"accuracy": 0.5, "accuracy_ci_low": 0.4, "accuracy_ci_high": 0.6}}
+    result = {"metrics": metrics, "per_task": per_task, **{m: {"ratios": dict.fromkeys(REFLECTION_RATIOS)}
+                                                           for m in MARKER_SETS}}
+    text = eval_table({"T=0": result})
+    assert "30.0% [21.9, 39.6]" in text and "50.0% [40.0, 60.0]" in text  # the set, and each task
+    assert "ci_low" not in text  # folded into the accuracy cell, not rows of their own
+
+    class FakeRun:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def evals(self):
+            return self.rows
+
+    start = {"greedy/accuracy": 0.3, "greedy/accuracy_ci_low": 0.25, "greedy/accuracy_ci_high": 0.35}
+    end = {"greedy/accuracy": 0.7, "greedy/accuracy_ci_low": 0.66, "greedy/accuracy_ci_high": 0.74}
+    (row,) = before_after([FakeRun([start, end])])
+    assert row == ("greedy/accuracy", "30.0 [25.0, 35.0]", "70.0 [66.0, 74.0]", "+40.0")
+    (row,) = before_after([FakeRun([start, end]), FakeRun([start, end])])
+    assert row[2] == "70.0 ± 0.0 (95% CI ±4.0 per run)"

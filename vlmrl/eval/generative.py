@@ -4,7 +4,8 @@
 counts (reflection, backtracking) and per-prompt records. The formulas live in `vlmrl.eval.metrics` and
 `vlmrl.eval.reasoning`:
 
-- accuracy = mean@n: the share of all answers that are right (equal to the mean of pass@1)
+- accuracy = mean@n: the share of all answers that are right (equal to the mean of pass@1), with its 95% interval
+  over prompts (accuracy_ci_low/high: Wilson's with one answer per prompt, else a bootstrap over prompts)
 - pass@k: the unbiased estimator 1 - C(n-c, k) / C(n, k) per prompt, averaged over prompts (k <= n)
 - maj@n: the share of prompts whose most frequent well-formed answer is right
 - mean_length (tokens) and truncated_share (answers that hit max_new_tokens without an end token)
@@ -22,7 +23,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from vlmrl.eval.metrics import ReflectionCounts, answer_key, majority_vote, marker_sets, mean_pass_at_k
+from vlmrl.eval.metrics import (
+    ReflectionCounts,
+    accuracy_interval,
+    answer_key,
+    majority_vote,
+    marker_sets,
+    mean_pass_at_k,
+)
 from vlmrl.eval.reasoning import chain_counts, chain_ratios, compute_metrics, reasoning_tokens, token_counter
 from vlmrl.models.policy import Policy
 from vlmrl.rewards import REWARDS, RewardSpec, compute_rewards
@@ -45,6 +53,7 @@ def summarize(records: list[dict], ks: Sequence[int]) -> dict[str, float | None]
     n = len(correct[0])
     answers = sum(len(c) for c in correct)
     out: dict[str, float | None] = {"accuracy": sum(map(sum, correct)) / answers}
+    out["accuracy_ci_low"], out["accuracy_ci_high"] = accuracy_interval(correct)  # 95%, over prompts
     for k in sorted({1, *ks}):
         if k <= n:
             out[f"pass@{k}"] = mean_pass_at_k(correct, k)

@@ -61,6 +61,58 @@ def mean_pass_at_k(correct: Sequence[Sequence[bool]], k: int) -> float:
     return sum(pass_at_k(len(c), sum(map(bool, c)), k) for c in correct) / len(correct)
 
 
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile: two-sided 95% intervals
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval of a binomial proportion (95% by default):
+
+        center = (p + z^2 / 2n) / (1 + z^2 / n),  half = z * sqrt(p (1 - p) / n + z^2 / 4n^2) / (1 + z^2 / n)
+
+    with p = successes / n. Unlike p +- z sqrt(p (1 - p) / n) it stays inside [0, 1] and is not empty at p = 0 or 1
+    (Brown, Cai & DasGupta, 2001). At n = 600 its half-width is at most 4.0 points (p = 0.5)."""
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: need 0 <= successes <= n and n >= 1, got successes={successes}, n={n}")
+    p, z2 = successes / n, z * z
+    denom = 1 + z2 / n
+    center = (p + z2 / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z2 / (4 * n * n)) / denom
+    return max(0.0, center - half), min(1.0, center + half)
+
+
+def bootstrap_interval(values: Sequence[float], level: float = 0.95, resamples: int = 2000, seed: int = 0
+                       ) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of `values` (one per prompt), resampling prompts with replacement;
+    a fixed `seed`, so the same values always give the same interval."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=np.float64)
+    if x.size == 0:
+        raise ValueError("bootstrap_interval: no values")
+    rng = np.random.default_rng(seed)
+    means = x[rng.integers(0, x.size, size=(resamples, x.size))].mean(axis=1)
+    tail = (1 - level) / 2
+    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+
+
+def accuracy_interval(correct: Sequence[Sequence[bool]]) -> tuple[float, float]:
+    """95% interval of accuracy (mean@n) over prompts: Wilson's binomial interval with one answer per prompt (greedy),
+    else a bootstrap over prompts (a prompt's n answers are not independent draws, so they are resampled together)."""
+    if not correct:
+        raise ValueError("accuracy_interval: no prompts")
+    if all(len(c) == 1 for c in correct):
+        return wilson_interval(sum(bool(c[0]) for c in correct), len(correct))
+    return bootstrap_interval([sum(map(bool, c)) / len(c) for c in correct])
+
+
+def format_interval(value: float | None, low: float | None, high: float | None, digits: int = 1) -> str:
+    """'65.7% [62.0, 69.4]' from fractions; the interval is left out when it is unknown."""
+    if value is None:
+        return "undefined"
+    text = f"{100 * value:.{digits}f}%"
+    return text if low is None or high is None else f"{text} [{100 * low:.{digits}f}, {100 * high:.{digits}f}]"
+
+
 def answer_key(text: str, truncated: bool = False, answer_type: str | None = None) -> str | None:
     """What a completion votes for in maj@n: the content of a well-formed answer block (the strict rule the
     accuracy reward uses: one `<answer>...</answer>`, whitespace around, not truncated), normalised: a number as its

@@ -54,7 +54,7 @@ def before_after(runs: list[Run], keys: list[str] | None = None) -> list[tuple[s
         return []
     if keys is None:  # pass@1 and mean@n equal accuracy, so they are not repeated; the reasoning rows have their own
         keys = [k for k in firsts[0] if k.startswith(("greedy/", "sampled/")) and "/task/" not in k
-                and not k.endswith(("/n", "samples_per_prompt", "/pass@1", "/failures"))
+                and not k.endswith(("/n", "samples_per_prompt", "/pass@1", "/failures", "_ci_low", "_ci_high"))
                 and not any(f"/{m}/" in k for m in MARKER_SETS) and "/mean@" not in k
                 and not k.split("/", 1)[1].startswith(REASONING_KEYS + ("reasoning/",))]
         keys += [k for k in firsts[0] if k.endswith("reflection/share")]
@@ -66,9 +66,22 @@ def before_after(runs: list[Run], keys: list[str] | None = None) -> list[tuple[s
         diff = [y - x for x, y in zip(a, b, strict=True) if x is not None and y is not None]
         ds = mean_std(diff)
         change = fmt(*ds, pct=pct)
-        rows.append((key, fmt(*mean_std(a), pct=pct), fmt(*mean_std(b), pct=pct),
+        rows.append((key, fmt(*mean_std(a), pct=pct) + interval_note(firsts, key),
+                     fmt(*mean_std(b), pct=pct) + interval_note(lasts, key),
                      ("+" if ds[0] is not None and ds[0] > 0 else "") + change))
     return rows
+
+
+def interval_note(evals: list[dict], key: str) -> str:
+    """The 95% interval of an accuracy next to its value: ' [62.0, 69.4]' for one run; for several, the mean
+    half-width of the runs' own intervals (' (95% CI ±3.7 per run)'), beside the spread over seeds; '' without one."""
+    lows, highs = [e.get(f"{key}_ci_low") for e in evals], [e.get(f"{key}_ci_high") for e in evals]
+    if not evals or any(v is None for v in lows + highs):
+        return ""
+    if len(evals) == 1:
+        return f" [{100 * lows[0]:.1f}, {100 * highs[0]:.1f}]"
+    half = sum(h - lo for lo, h in zip(lows, highs, strict=True)) / (2 * len(evals))
+    return f" (95% CI ±{100 * half:.1f} per run)"
 
 
 def reasoning_rows(runs: list[Run]) -> list[tuple[str, str, str, str]]:
@@ -78,19 +91,31 @@ def reasoning_rows(runs: list[Run]) -> list[tuple[str, str, str, str]]:
     return before_after(runs, [k for k in keys if firsts and k in firsts[0]])
 
 
-def baselines_table(runs: list[Run], key: str = "greedy/accuracy") -> dict[str, dict[str, tuple]]:
-    """split -> arm -> (mean, std) of `key` over the runs that have baselines.json."""
+def baseline_splits(runs: list[Run]) -> dict[str, list[dict]]:
+    """split -> one {arm: metrics} per run that has baselines.json (in-distribution first, then the OOD sets)."""
     with_b = [r.baselines for r in runs if r.baselines]
     if not with_b:
         return {}
-    table: dict[str, dict[str, tuple]] = {}
     splits = {"in-distribution": [b["in_distribution"] for b in with_b]}
     for name in with_b[0].get("ood", {}):
         splits[name] = [b["ood"].get(name, {}) for b in with_b]
-    for split, per_run in splits.items():
+    return splits
+
+
+def baselines_table(runs: list[Run], key: str = "greedy/accuracy") -> dict[str, dict[str, tuple]]:
+    """split -> arm -> (mean, std) of `key` over the runs that have baselines.json."""
+    table: dict[str, dict[str, tuple]] = {}
+    for split, per_run in baseline_splits(runs).items():
         arms = list(dict.fromkeys(a for arms in per_run for a in arms))
         table[split] = {a: mean_std([arms.get(a, {}).get(key) for arms in per_run]) for a in arms}
     return table
+
+
+def baselines_notes(runs: list[Run], key: str = "greedy/accuracy") -> dict[str, dict[str, str]]:
+    """split -> arm -> the 95% interval note of `key` (interval_note) over the runs that have baselines.json."""
+    return {split: {a: interval_note([arms.get(a, {}) for arms in per_run], key)
+                    for a in dict.fromkeys(a for arms in per_run for a in arms)}
+            for split, per_run in baseline_splits(runs).items()}
 
 
 def _table(header: list[str], rows: list[tuple], cls: str = "") -> str:
@@ -310,7 +335,9 @@ def write_report(paths: list[str | Path], out: str | Path | None = None) -> Path
     if btable:
         splits = list(btable)
         arms = list(dict.fromkeys(a for s in splits for a in btable[s]))
-        rows = [(ARM_NAMES.get(a, a), *[fmt(*btable[s].get(a, (None, None))) for s in splits]) for a in arms]
+        notes = baselines_notes(runs)
+        rows = [(ARM_NAMES.get(a, a), *[fmt(*btable[s].get(a, (None, None))) + notes[s].get(a, "") for s in splits])
+                for a in arms]
         parts.append('<section id="baselines"><h2>What RL adds beyond more training</h2><p class="note">Greedy '
                      "accuracy of the SFT start, the RL run, and continued SFT from the same start on the same "
                      f"labelled data for the same training wall time, in-distribution and out of distribution."

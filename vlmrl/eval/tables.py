@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vlmrl.eval.metrics import format_interval
 from vlmrl.eval.report import ARM_NAMES, MARKER_SETS, REFLECTION_RATIOS, is_rate
 
 
@@ -18,10 +19,16 @@ def _is_count(key: str) -> bool:
     return key.endswith(("/failures", "failed_samples")) or key in ("n", "samples_per_prompt")
 
 
-def _metric_cell(key: str, v) -> str:
+def _metric_cell(key: str, v, metrics: dict | None = None) -> str:
     if _is_count(key) and isinstance(v, (int, float)) and float(v).is_integer():
         return str(int(v))
+    if metrics is not None and f"{key}_ci_low" in metrics:  # an accuracy, with its 95% interval
+        return format_interval(v, metrics[f"{key}_ci_low"], metrics[f"{key}_ci_high"])
     return _cell(v, is_rate(key))
+
+
+def _is_interval(key: str) -> bool:
+    return key.endswith(("_ci_low", "_ci_high"))  # shown inside the accuracy cell
 
 
 def _grid(header: list[str], rows: list[list[str]]) -> str:
@@ -38,14 +45,14 @@ def eval_table(results: dict[str, dict]) -> str:
     compute metrics per temperature, then the per-task breakdown and the reflection and backtracking ratios."""
     labels = list(results)
     keys = list(dict.fromkeys(k for res in results.values() for k in res["metrics"]
-                              if not k.startswith(("task/", *(f"{m}/" for m in MARKER_SETS)))))
-    rows = [[k, *[_metric_cell(k, results[t]["metrics"][k]) if k in results[t]["metrics"] else "-"
-                  for t in labels]] for k in keys]
+                              if not k.startswith(("task/", *(f"{m}/" for m in MARKER_SETS))) and not _is_interval(k)))
+    rows = [[k, *[_metric_cell(k, results[t]["metrics"][k], results[t]["metrics"]) if k in results[t]["metrics"]
+                  else "-" for t in labels]] for k in keys]
     out = [_grid(["metric", *labels], rows)]
     tasks = list(dict.fromkeys(t for res in results.values() for t in res.get("per_task", {})))
     if len(tasks) > 1:
-        rows = [[t, *[_cell(results[label]["per_task"].get(t, {}).get("accuracy")) for label in labels]]
-                for t in tasks]
+        rows = [[t, *[_metric_cell("accuracy", results[label]["per_task"].get(t, {}).get("accuracy"),
+                                   results[label]["per_task"].get(t)) for label in labels]] for t in tasks]
         out += ["", _grid(["accuracy per task", *labels], rows)]
     for name in MARKER_SETS:
         rows = [[r, *[_cell(results[t][name]["ratios"][r]) for t in labels]] for r in REFLECTION_RATIOS]
@@ -57,7 +64,8 @@ def baselines_table_text(baselines: dict, key: str = "greedy/accuracy") -> str:
     """One run's baselines.json as arms x splits of `key`."""
     splits = {"in-distribution": baselines["in_distribution"], **baselines.get("ood", {})}
     arms = list(dict.fromkeys(a for per in splits.values() for a in per))
-    rows = [[ARM_NAMES.get(a, a), *[_cell(per.get(a, {}).get(key)) for per in splits.values()]] for a in arms]
+    rows = [[ARM_NAMES.get(a, a), *[_metric_cell(key, per.get(a, {}).get(key), per.get(a, {}))
+                                    for per in splits.values()]] for a in arms]
     return _grid([key, *splits], rows)
 
 
