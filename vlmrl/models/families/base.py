@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,55 @@ class ImageInputs:
     vision_rows: dict[str, list[int]]  # rows of each image in each tensor
     placeholders: list[str]  # the text that replaces each image's marker
     tokens: list[int]  # placeholder tokens (= feature vectors) of each image
+
+
+class ImageCache:
+    """Processed image tensors by image object, least recently used evicted past `max_bytes` (0 = off; 256 MiB by
+    default: the quickstart's 300 SFT and 600 held-out scenes take 270 MB).
+
+    The SFT labels and the held-out set show the same images every few steps and every evaluation; preprocessing
+    (resize, normalise, patchify) took ~3 ms per image on CPU, about a tenth of an SFT step of the embedded model.
+    Entries are keyed by the image object and dropped when it is garbage-collected (a weak reference), so images
+    decoded on use from files are never served stale. Values are each image's slice of every vision tensor, its
+    placeholder text and its token count: exactly what `process_images` gives for that image alone, since every
+    family processes images independently and concatenates them along dim 0 (`ImageInputs.vision_rows`)."""
+
+    def __init__(self, max_bytes: int = 256 * 2**20):
+        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
+        self.entries: OrderedDict[int, tuple] = OrderedDict()
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def get(self, image):
+        entry = self.entries.get(id(image))
+        if entry is None or entry[0]() is not image:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(id(image))
+        self.hits += 1
+        return entry[1]
+
+    def put(self, image, value: tuple[dict[str, Tensor], str, int]) -> None:
+        size = sum(t.numel() * t.element_size() for t in value[0].values() if isinstance(t, Tensor))
+        if not self.max_bytes or size > self.max_bytes:
+            return
+        key = id(image)
+        try:
+            ref = weakref.ref(image, lambda _, key=key: self._drop(key))
+        except TypeError:  # an image type without weak references: not cached
+            return
+        self._drop(key)
+        self.entries[key] = (ref, value, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+
+    def _drop(self, key: int) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[2]
 
 
 def read_chat_template(path: str | Path) -> str | None:
@@ -89,6 +140,7 @@ class VLProcessor:
         if config is None and type(self).options_from_config is not VLProcessor.options_from_config:
             raise ValueError(f"{type(self).__name__} needs the model config (config=...) for its placeholder counts")
         self.options = self.options_from_config(config) if config is not None else {}
+        self.image_cache = ImageCache()
 
     # -- construction and saving ---------------------------------------------------------------------------------
     def options_from_config(self, config) -> dict:
@@ -135,6 +187,31 @@ class VLProcessor:
 
     def process_images(self, images: list) -> ImageInputs:
         raise NotImplementedError
+
+    def processed_images(self, images: list) -> ImageInputs:
+        """`process_images`, with each image's tensors from `image_cache` when the same image object was processed
+        before (the images not cached are processed in one call). A changed pixel budget empties the cache."""
+        budget = repr([getattr(self.image_processor, k, None) for k in ("size", "max_image_size")])
+        if budget != getattr(self, "_cached_budget", None):
+            self.image_cache.clear()
+            self._cached_budget = budget
+        cached = [self.image_cache.get(im) for im in images]
+        missing = [im for im, c in zip(images, cached, strict=True) if c is None]
+        if missing:
+            fresh = self.process_images(missing)
+            splits = {k: v.split(fresh.vision_rows[k]) for k, v in fresh.vision.items()}
+            it = iter(range(len(missing)))
+            for i, c in enumerate(cached):
+                if c is None:
+                    j = next(it)
+                    cached[i] = ({k: parts[j] for k, parts in splits.items()}, fresh.placeholders[j], fresh.tokens[j])
+                    self.image_cache.put(images[i], cached[i])
+            if len(missing) == len(images):
+                return fresh
+        keys = cached[0][0].keys()
+        return ImageInputs({k: torch.cat([c[0][k] for c in cached]) for k in keys},
+                           {k: [len(c[0][k]) for c in cached] for k in keys},
+                           [c[1] for c in cached], [c[2] for c in cached])
 
     def expand(self, text: str, placeholders: list[str], sample_id: str) -> str:
         """Replace the i-th image marker of `text` with `placeholders[i]`."""
@@ -197,7 +274,7 @@ class VLProcessor:
         -> a PromptBatch: placeholders expanded, tokenised, length and image-token counts checked."""
         texts = list(texts)
         flat = [im for ims in images for im in ims]
-        inputs = self.process_images(flat) if flat else ImageInputs({}, {}, [], [])
+        inputs = self.processed_images(flat) if flat else ImageInputs({}, {}, [], [])
         start = 0
         for i, ims in enumerate(images):
             texts[i] = self.expand(texts[i], inputs.placeholders[start:start + len(ims)], sample_ids[i])

@@ -1,0 +1,64 @@
+"""Two speed-ups that must not change what the model sees: the processed-image cache and the patch embedding as a
+matrix product."""
+
+import torch
+from PIL import Image
+
+from vlmrl.models.families.base import ImageCache
+from vlmrl.models.families.qwen_vl import patch_embed_as_linear
+
+
+def test_cached_images_give_exactly_what_processing_gives(policy, count_samples):
+    proc = policy.processor
+    images = [s["images"][0] for s in count_samples[:6]]
+    proc.image_cache.clear()
+    fresh = proc.process_images(images)
+    first = proc.processed_images(images[:3])  # fills the cache for three images
+    mixed = proc.processed_images(images)  # three from the cache, three processed now
+    assert proc.image_cache.hits >= 3
+    for out in (mixed,):
+        assert out.vision.keys() == fresh.vision.keys()
+        for k in fresh.vision:
+            assert torch.equal(out.vision[k], fresh.vision[k]), k
+        assert out.vision_rows == fresh.vision_rows and out.placeholders == fresh.placeholders
+        assert out.tokens == fresh.tokens
+    assert first.tokens == fresh.tokens[:3]
+
+
+def test_a_new_pixel_budget_empties_the_cache(policy, count_samples):
+    proc = policy.processor
+    image = count_samples[0]["images"][0]
+    before = proc.processed_images([image]).tokens
+    size = dict(proc.image_processor.size)
+    try:
+        proc.set_pixel_budget(112 * 112, 112 * 112)
+        after = proc.processed_images([image]).tokens
+    finally:
+        proc.image_processor.size = size
+    assert after != before  # not the cached tensors of the old budget
+    assert proc.processed_images([image]).tokens == before
+
+
+def test_cache_is_bounded_and_forgets_collected_images():
+    cache = ImageCache(max_bytes=3 * 400)
+    images = [Image.new("RGB", (4, 4)) for _ in range(4)]
+    for i in range(4):
+        cache.put(images[i], ({"pixel_values": torch.zeros(100)}, "<p>", 1))  # 400 bytes each
+    assert cache.bytes == 1200 and cache.get(images[0]) is None  # the least recently used went first
+    assert cache.get(images[3]) is not None
+    del images[3]  # collected: its entry goes with it
+    assert cache.bytes == 800
+
+
+def test_patch_embedding_as_a_matrix_product_equals_the_convolution():
+    conv = torch.nn.Conv3d(3, 32, (2, 14, 14), (2, 14, 14), bias=True)
+    x = torch.randn(50, 3, 2, 14, 14)
+    expected = conv(x)
+    patch_embed_as_linear(conv)
+    out = conv(x)
+    assert out.shape == expected.shape and torch.allclose(out, expected, atol=1e-5)
+    out.sum().backward()  # the gradient reaches the convolution's own weight
+    assert conv.weight.grad is not None and conv.weight.grad.shape == conv.weight.shape
+    padded = torch.nn.Conv3d(3, 8, 3, 1, padding=1)
+    patch_embed_as_linear(padded)  # not a patchify convolution: left alone
+    assert "forward" not in vars(padded)
