@@ -14,8 +14,9 @@ from vlmrl.configlib import allowed
 
 HEADER = """# Recipe reference
 
-A recipe is a YAML file with these sections. Every key is optional: the defaults are the quickstart
-(`recipes/quickstart.yaml`). An unknown key, a value outside what the **allowed** column says, or a broken
+A recipe is a YAML file with these sections. Every key is optional: the defaults below are the library's (plain
+GRPO on the built-in counting task); `vlmrl train` without a recipe runs the quickstart recipe
+(`recipes/quickstart.yaml`: the same task with DAPO's settings and a 600-scene held-out set). An unknown key, a value outside what the **allowed** column says, or a broken
 [rule between keys](#rules-between-keys) stops `vlmrl train` before any data, model or run directory is built,
 with a one-line message naming the key and what is allowed. On the command line, `section.key=value` overrides any
 key, for example `trainer.lr=1e-4`, `data.eval.n=100` or `model.tiny.hidden_size=64`.

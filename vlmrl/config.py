@@ -1,6 +1,7 @@
 """Recipes: one typed config, YAML files, dotted command-line overrides, validated before anything is built.
 
-Defaults are the quickstart: `Config()` is what `vlmrl train` runs with no arguments. Every field's help text is its
+`Config()` holds the library defaults (plain GRPO); `vlmrl train` without a recipe runs `QUICKSTART`, the packaged
+quickstart recipe (DAPO's settings on the built-in counting task). Every field's help text is its
 comment and its type declares what it allows (`vlmrl/configlib.py` has the vocabulary: `PositiveInt`, `Probability`,
 ...); `RULES` holds the constraints between fields. docs/recipes.md is generated from both.
 """
@@ -32,6 +33,8 @@ from vlmrl.configlib import (  # noqa: F401  (parse_override, to_dict, save_conf
 )
 from vlmrl.configlib import validate as _validate
 from vlmrl.errors import ConfigError  # noqa: F401  (re-exported: vlmrl.config.ConfigError)
+
+QUICKSTART = Path(__file__).resolve().parent / "recipes" / "quickstart.yaml"  # what `vlmrl train` runs by default
 
 
 @section
@@ -128,7 +131,11 @@ class AlgorithmConfig:
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: NonNegative = 0.0  # entropy bonus: loss -= entropy_coef * entropy
     # -- KL to a frozen reference (loaded only when beta > 0, or for DPO)
-    beta: NonNegative = 0.0  # KL coefficient; 0 loads no reference model
+    beta: NonNegative = 0.0  # KL coefficient (the start value when kl_target is set); 0 loads no reference model
+    # adaptive KL (PPO's controller, Ziegler et al. 2019): after each step beta *= 1 + kl_rate * e, with
+    # e = clip(kl / kl_target - 1, -0.2, 0.2) and kl the step's mean per-token KL (the logged `kl`); null = fixed beta
+    kl_target: Positive | None = None
+    kl_rate: Positive = 0.1
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3/k2 in the loss; k1 as a reward (docs/algorithms.md)
     kl_in: Literal["loss", "reward"] = "loss"  # "reward": -beta * KL per token folded into the reward
     # -- DAPO extras
@@ -161,6 +168,33 @@ class RewardConfig:
             if self.name not in ("accuracy", self.fn):
                 raise ConfigError(f"reward: name {self.name!r} and fn {self.fn!r} disagree; give one of them")
             self.name = self.fn
+
+
+@section
+class CurriculumConfig:
+    # which prompts each RL step draws (docs/training.md): "random" = shuffled passes over data.train; "easy_to_hard" =
+    # uniformly from the easiest share of prompts by their `difficulty` column, the share growing linearly from
+    # `start` to 1 over the first `ramp` of trainer.steps; "learnability" = in proportion to p(1 - p), p = each
+    # prompt's pass rate so far ((solved + 1) / (answers + 2), so unseen prompts count as p = 0.5: the most learnable)
+    order: Literal["random", "easy_to_hard", "learnability"] = "random"
+    start: Probability = 0.25  # easy_to_hard: the share of prompts open at the first RL step
+    ramp: Probability = 0.5  # easy_to_hard: the share of trainer.steps after which every prompt is open
+    # online filtering: skip prompts whose last `filter_after` draws were all solved by every answer (filter_solved)
+    # or by none (filter_unsolved): their groups carry no signal. Counted in curriculum/skipped_*; if fewer than a
+    # step's prompts remain, filtered ones are drawn again (curriculum/refills)
+    filter_solved: bool = False
+    filter_unsolved: bool = False
+    filter_after: PositiveInt = 2
+
+
+@section
+class ReplayConfig:
+    # mixed SFT + RL: on every `every`-th RL step, `weight` x the SFT loss of `batch_size` labelled samples joins each
+    # optimizer step's loss, to keep abilities RL does not reward (docs/training.md); weight 0 = off
+    weight: NonNegative = 0.0
+    every: PositiveInt = 1
+    batch_size: PositiveInt = 16
+    data: Any = None  # the labelled samples to replay (a data spec like data.sft); null = data.sft
 
 
 @section
@@ -229,6 +263,8 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     control: ControlConfig = field(default_factory=ControlConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -314,6 +350,19 @@ def _minibatches(c: Config) -> str | None:
     return None
 
 
+def _kl_target(c: Config) -> str | None:
+    if c.algorithm.kl_target is not None and c.algorithm.beta == 0:
+        return (f"algorithm.kl_target={c.algorithm.kl_target} with beta=0: the adaptive controller multiplies beta, so "
+                f"it would stay 0; set algorithm.beta to a start value (e.g. 0.04)")
+    return None
+
+
+def _replay(c: Config) -> str | None:
+    if c.replay.weight > 0 and c.replay.data is None and c.data.sft is None:
+        return "replay.weight > 0 needs labelled samples: set replay.data, or data.sft"
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("rollout.group_size", "algorithm.advantage"), "`rollout.group_size` >= 2 for `grpo`, `rloo`, "
          "REINFORCE++ with a group baseline, online DPO and dynamic sampling", _group_of_one),
@@ -339,6 +388,9 @@ RULES: tuple[Rule, ...] = (
          "`num_kv_heads`; `vision_dim` a multiple of `vision_heads`", _tiny_shapes),
     Rule(("model.device", "rollout.engine"), "`model.device` is cpu, cuda, cuda:N, mps or xpu; `rollout.engine: "
          "vllm` needs cuda", _device),
+    Rule(("algorithm.kl_target", "algorithm.beta"), "`algorithm.kl_target` needs `beta > 0` (its start value)",
+         _kl_target),
+    Rule(("replay.weight", "replay.data"), "`replay.weight > 0` needs `replay.data` or `data.sft`", _replay),
     Rule(("rollout.vllm.max_model_len",), "`rollout.vllm.max_model_len` >= `data.max_prompt_length + "
          "rollout.max_new_tokens`", _context),
 )

@@ -292,7 +292,6 @@ def load(cls, path: str | Path | None, overrides: Sequence[str], rules: Sequence
     """Defaults of section `cls`, then the recipe YAML (if any), then `key=value` overrides; every field checked
     against its declaration, then every rule. Nothing is built before this returns."""
     data = to_dict(cls())
-    where = None
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -306,16 +305,14 @@ def load(cls, path: str | Path | None, overrides: Sequence[str], rules: Sequence
         if not isinstance(recipe, dict):
             raise ConfigError(f"recipe {path}: the top level must be a mapping of sections")
         _merge(data, recipe, path, cls)
-        where = f"recipe {path}"
+        try:  # the recipe on its own, so that an error names the file only when the file holds the bad value
+            from_dict(cls, data)
+        except ConfigError as e:
+            raise ConfigError(f"recipe {path}: {e}") from None
     for text in overrides:
         keys, value = parse_override(text)
         _set_dotted(data, keys, value, cls)
-    try:
-        cfg = from_dict(cls, data)
-    except ConfigError as e:
-        if where is None:
-            raise
-        raise ConfigError(f"{where}: {e}") from None
+    cfg = from_dict(cls, data)  # a bad value now came from an override (the error names its key)
     check_rules(cfg, rules)
     return cfg
 

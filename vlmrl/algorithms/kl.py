@@ -17,6 +17,8 @@ Where the estimate goes decides which one is right:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -32,3 +34,37 @@ def kl_estimate(logp: Tensor, ref_logp: Tensor, estimator: str = "k3") -> Tensor
         log_ratio = log_ratio.clamp(-20.0, 20.0)
         return torch.exp(log_ratio) - 1.0 - log_ratio
     raise ValueError(f"kl estimator must be one of 'k1', 'k2', 'k3', got {estimator!r}")
+
+
+class KLController:
+    """The KL coefficient beta: fixed, or adapted towards a target KL (PPO's adaptive controller, Ziegler et al. 2019,
+    as TRL's AdaptiveKLController with one step per update):
+
+        e = clip(kl / target - 1, -0.2, 0.2),    beta <- beta * (1 + rate * e)
+
+    with kl the step's measured mean per-token KL. Above the target beta grows, below it shrinks, by at most a factor
+    1 +- 0.2 * rate per step. `target=None` keeps beta fixed. `beta` is saved with a checkpoint (`state`)."""
+
+    def __init__(self, beta: float, target: float | None = None, rate: float = 0.1):
+        if target is not None and (target <= 0 or beta <= 0):
+            raise ValueError(f"KLController: an adaptive beta needs target > 0 and a start beta > 0, got "
+                             f"target={target}, beta={beta}")
+        self.beta, self.target, self.rate = float(beta), target, rate
+
+    @property
+    def adaptive(self) -> bool:
+        return self.target is not None
+
+    def update(self, kl: float | None) -> float:
+        """Adapt beta to the step's KL (None: no KL was measured, beta stays); returns the new beta."""
+        if self.target is not None and kl is not None and math.isfinite(kl):
+            error = min(max(kl / self.target - 1.0, -0.2), 0.2)
+            self.beta *= 1.0 + self.rate * error
+        return self.beta
+
+    def state(self) -> dict:
+        return {"beta": self.beta}
+
+    def load(self, state: dict | None) -> None:
+        if state:
+            self.beta = float(state["beta"])

@@ -112,6 +112,7 @@ def digits_sum(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample
                 "width": image.width,
                 "height": image.height,
                 "digits": digits,
+                "difficulty": len(digits),  # digits to add: curriculum.order=easy_to_hard sorts by it
                 "digit_indices": indices,
             }
         )

@@ -202,6 +202,7 @@ def _generate(
                 "width": side,
                 "height": side,
                 "objects": objects,
+                "difficulty": len(objects),  # objects in the scene: curriculum.order=easy_to_hard sorts by it
                 **extra,
             }
         )

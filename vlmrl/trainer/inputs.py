@@ -3,7 +3,7 @@ and the stream of RL prompts, whose order is part of the state a checkpoint save
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +44,7 @@ class Datasets:
     eval: list[dict]
     sft: list[dict]
     reports: list
+    replay: list[dict] = field(default_factory=list)  # labelled samples the RL update replays (replay.weight > 0)
 
     @property
     def skipped(self) -> int:
@@ -55,8 +56,14 @@ def load_datasets(cfg: Config) -> Datasets:
     train_set, report = build_dataset(d.train, "train", d.seed, d.on_error)
     eval_set, eval_report = build_dataset(d.eval, "test", d.seed, d.on_error)
     reports = [r for r in (report, eval_report) if r is not None]
-    sft_set = []
-    if cfg.sft.steps > 0:
+    sft_set, replay_set = [], []
+    replay_sft = cfg.replay.weight > 0 and cfg.replay.data is None  # replay defaults to the SFT labels
+    if cfg.sft.steps > 0 or replay_sft:
         sft_set, sft_report = build_dataset(d.sft, "train", d.seed + 1, d.on_error)
         reports += [sft_report] if sft_report is not None else []
-    return Datasets(train_set, eval_set, sft_set, reports)
+    if cfg.replay.weight > 0:
+        replay_set = sft_set
+        if cfg.replay.data is not None:
+            replay_set, replay_report = build_dataset(cfg.replay.data, "train", d.seed + 3, d.on_error)
+            reports += [replay_report] if replay_report is not None else []
+    return Datasets(train_set, eval_set, sft_set, reports, replay_set)

@@ -82,6 +82,6 @@ def check_prompt_lengths(policy, cfg: Config, *splits: list[dict], batch_size: i
 
 def check_data_fits(policy, cfg: Config, data) -> None:
     """Both length checks on every split of the job's `Datasets`, before the first training step."""
-    splits = (data.train, data.sft, data.eval)
+    splits = (data.train, data.sft, data.eval, data.replay)
     check_label_lengths(policy, cfg, *splits)
     check_prompt_lengths(policy, cfg, *splits)

@@ -24,6 +24,7 @@ from vlmrl.models.scoring import logprob_gap, score_batch
 from vlmrl.rewards import RewardOutput, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import Rollout, concat_rollouts, generate
+from vlmrl.trainer.curriculum import PASS_RATE_BINS, pass_rate_bin
 from vlmrl.trainer.distributed import all_sum, gathered
 from vlmrl.trainer.types import StepContext, Trajectories
 from vlmrl.trainer.update import update
@@ -48,6 +49,7 @@ class Batch:
     stats: dict[str, float] = field(default_factory=dict)
     greedy: Rollout | None = None  # ReMax: the greedy answer of each prompt (one row per prompt)
     baseline_scored: Tensor | None = None  # ReMax, per row: the greedy answer's reward did not fail
+    correct: list[bool] = field(default_factory=list)  # per row: `correctness` of the answer (pass rates, accuracy)
 
     def scored(self) -> Tensor:
         """bool [N]: rows whose reward (and, for ReMax, whose baseline) could be computed; a failed one (a judge
@@ -88,7 +90,11 @@ def score(ctx: StepContext, samples: list[dict], rollout: Rollout) -> tuple[Rewa
 def collect_and_score(ctx: StepContext, samples: list[dict], round_index: int = 0) -> Batch:
     prompts, rollout = collect(ctx, samples, round_index=round_index)
     rewards, columns = score(ctx, samples, rollout)
-    batch = Batch(samples, prompts, rollout, rewards, columns)
+    batch = Batch(samples, prompts, rollout, rewards, columns, correct=correctness(rollout.texts, columns))
+    if ctx.observe is not None:  # the curriculum's pass rates: every generated group, resampling rounds included
+        g = len(rollout.texts) // max(len(samples), 1)
+        for i, s in enumerate(samples):
+            ctx.observe(s, batch.correct[i * g:(i + 1) * g])
     if ctx.algorithm.advantage == "remax":  # ReMax's baseline: the reward of the greedy answer to the same prompt
         _, batch.greedy = collect(ctx, samples, group_size=1, temperature=0.0)
         greedy_rewards = score(ctx, samples, batch.greedy)[0]
@@ -109,7 +115,8 @@ def keep_groups(batch: Batch, keep: Tensor, group_size: int) -> Batch:
                  {k: [v[i] for i in rows.tolist()] for k, v in batch.columns.items()},
                  None if batch.baseline_rewards is None else batch.baseline_rewards[rows], batch.stats,
                  None if greedy is None else greedy.select(prompts_kept, torch.arange(len(prompts_kept))),
-                 None if batch.baseline_scored is None else batch.baseline_scored[rows])
+                 None if batch.baseline_scored is None else batch.baseline_scored[rows],
+                 [batch.correct[i] for i in rows.tolist()])
 
 
 def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
@@ -121,7 +128,8 @@ def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
                  {k: [v for b in batches for v in b.columns[k]] for k in batches[0].columns},
                  torch.cat([b.baseline_rewards for b in batches]) if remax else None, batches[0].stats,
                  concat_rollouts([b.greedy for b in batches], pad_token_id) if remax else None,
-                 torch.cat([b.baseline_scored for b in batches]) if remax else None)
+                 torch.cat([b.baseline_scored for b in batches]) if remax else None,
+                 [c for b in batches for c in b.correct])
 
 
 def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[dict]]) -> Batch:
@@ -168,7 +176,8 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     mask = rollout.completion_mask
     args = (batch.prompts, rollout.prompt_index, rollout.completion_ids, mask, temp)
     chunks = {"micro_batch": ctx.trainer.micro_batch, "micro_batch_tokens": ctx.trainer.micro_batch_tokens}
-    reward_kl = algo.kl_in == "reward" and algo.beta > 0 and ctx.reference is not None
+    beta = ctx.kl.beta  # fixed, or adapted after every step (algorithm.kl_target)
+    reward_kl = algo.kl_in == "reward" and beta > 0 and ctx.reference is not None
     old = ref = values = policy_logprobs = greedy_kl = None
     ctx.policy.model.eval()
     with gathered(ctx.forward):
@@ -191,7 +200,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     baseline = None if batch.baseline_rewards is None else batch.baseline_rewards.to(mask.device)
     scored = batch.scored().to(mask.device)
     kl = kl_estimate(policy_logprobs, ref, algo.kl_estimator) * mask if reward_kl else None
-    reward_kl_beta = algo.beta if reward_kl else 0.0
+    reward_kl_beta = beta if reward_kl else 0.0
     if reward_kl_beta and algo.advantage in ("grpo", "rloo", "remax"):  # sequence-level estimators: fold sum_t KL
         rewards = rewards - reward_kl_beta * kl.sum(-1)
         if greedy_kl is not None:
@@ -211,6 +220,16 @@ def rank_sum(ctx: StepContext) -> Callable[[Tensor], Tensor] | None:
     if not ctx.dist.active:
         return None
     return lambda t: all_sum(t, ctx.dist).to(dtype=t.dtype, device=t.device)
+
+
+def pass_rate_histogram(correct: list[bool], group_size: int) -> dict[str, float]:
+    """The share of the trained groups in each pass-rate bin (`trained_pass_rate/0`, `/0-25`, ..., `/100`): how much
+    of the batch could carry a signal (the two ends cannot under a 0/1 reward)."""
+    groups = [correct[i:i + group_size] for i in range(0, len(correct), group_size)]
+    counts = dict.fromkeys(PASS_RATE_BINS, 0)
+    for group in groups:
+        counts[pass_rate_bin(sum(group), len(group))] += 1
+    return {f"trained_pass_rate/{k}": v / max(len(groups), 1) for k, v in counts.items()}
 
 
 # -- Stage IV: update -> vlmrl/trainer/update.py ---------------------------------------------------------------------
@@ -238,9 +257,10 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
     t2 = time.perf_counter()
     g = ctx.rollout.group_size
     rollout = first.rollout  # accuracy and lengths describe the i.i.d. sample, before any filtering
-    correct = correctness(rollout.texts, first.columns)
+    correct = first.correct
     metrics.update(first.rewards.metrics())
     metrics.update(batch.stats)
+    metrics.update(pass_rate_histogram(batch.correct, g))
     metrics.update({
         "accuracy": sum(correct) / len(correct),
         "zero_variance_groups": zero_variance_fraction(first.rewards.total, g, scored=first.scored()),

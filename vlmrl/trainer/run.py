@@ -5,61 +5,32 @@ Progress reaches the caller through a `Progress` object (the CLI draws bars with
 
 from __future__ import annotations
 
-import math
 import random
 import signal
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from vlmrl.config import Config, save_config, to_dict, validate
-from vlmrl.data import build_dataset, vocabulary_texts
-from vlmrl.errors import ConfigError
+from vlmrl.data import vocabulary_texts
 from vlmrl.eval.generative import evaluate
-from vlmrl.eval.metrics import marker_sets
 from vlmrl.eval.samples import EVAL_SAMPLES, write_samples
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
-from vlmrl.models.reference import Reference
-from vlmrl.models.trainable import configure_training, disable_dropout, start_lora
+from vlmrl.models.trainable import configure_training, start_lora
 from vlmrl.preflight import check_device, resolve_model
 from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.registry import check_specs
-from vlmrl.trainer.checkpoint import (
-    begin_checkpoint,
-    load_rank_rng,
-    load_state,
-    partial_path,
-    restore_rng,
-    rng_state,
-    rotate_checkpoints,
-    save_checkpoint,
-    save_rank_rng,
-)
-from vlmrl.trainer.critic import Critic
-from vlmrl.trainer.distributed import (
-    NullLogger,
-    barrier,
-    broadcast_object,
-    full_state_dict,
-    gathered,
-    init_distributed,
-    load_sharded_optimizer,
-    reduce_metrics,
-    save_sharded_optimizer,
-    shard,
-    wrap,
-)
-from vlmrl.trainer.dpo import OfflineDPO, synthetic_preferences
-from vlmrl.trainer.inputs import Datasets, PromptStream, load_datasets
+from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
+from vlmrl.trainer.distributed import NullLogger, barrier, broadcast_object, gathered, init_distributed
+from vlmrl.trainer.inputs import Datasets, load_datasets
+from vlmrl.trainer.job import RLJob, lr_lambda, prepare_rl, start_vllm
 from vlmrl.trainer.limits import check_data_fits, user_texts
 from vlmrl.trainer.logger import MetricsLogger, rewind_logs
 from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_decisions
 from vlmrl.trainer.resume import check_resume, find_resume_point, rewind_checkpoints
-from vlmrl.trainer.rl import StepContext, rl_step
 from vlmrl.trainer.sft import sft_step
 from vlmrl.trainer.watch import RewardFailureWatch, SignalWatch, TruncationWatch, truncation_warning
 
@@ -88,19 +59,6 @@ def fresh_run_dir(path: str | Path) -> Path:
         candidate = path.with_name(f"{path.name}-{k}")
     candidate.mkdir(parents=True, exist_ok=True)
     return candidate
-
-
-def lr_lambda(schedule: str, warmup: int, total: int):
-    def factor(step: int) -> float:
-        if warmup and step < warmup:
-            return (step + 1) / warmup
-        progress = (step - warmup) / max(total - warmup, 1)
-        if schedule == "linear":
-            return max(0.0, 1.0 - progress)
-        if schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-        return 1.0
-    return factor
 
 
 def build_policy(cfg: Config, run_dir: Path, dist_info=None, data: Datasets | None = None) -> Policy:
@@ -169,150 +127,6 @@ def warm_start(cfg: Config, run_dir: Path, data: Datasets, rewards: list[RewardS
     policy = start_lora(policy, cfg.model, run_dir / "lora_base" if cfg.sft.steps > 0 else None,
                         save=dist_info.is_main)
     return policy, start_eval
-
-
-@dataclass
-class RLJob:
-    """Everything the RL phase holds: the step context (policy, optimizer, scheduler, reference, critic), the prompt
-    stream, offline DPO when configured, and what a checkpoint needs to save it."""
-
-    cfg: Config
-    ctx: StepContext
-    stream: PromptStream
-    train_set: list[dict]
-    run_dir: Path
-    start_eval: dict
-    dpo: OfflineDPO | None = None
-    shard: tuple[int, int] = (0, 0)
-    wall_before: float = 0.0  # seconds of this run spent in earlier processes (up to the resumed checkpoint)
-    notes: list[str] = field(default_factory=list)  # warnings the RL loop gave (repeated in the summary)
-    t_start: float = 0.0  # time.perf_counter() when this process started
-
-    def checkpoint(self, step: int, eval_pending: bool = False) -> Path:
-        """RUN_DIR/checkpoint-STEP, written atomically (vlmrl.trainer.checkpoint): the weights (loadable with
-        from_pretrained) and the resumable state. Under torchrun every rank joins the gather, writes its RNG states
-        and, under FSDP2, its optimizer shard, before rank 0 completes and publishes the folder. `eval_pending`: the
-        evaluation scheduled at this step has not run (a stop); the resumed run runs it first."""
-        ctx, dist_info, t = self.ctx, self.ctx.dist, self.cfg.trainer
-        path = self.run_dir / f"checkpoint-{step}"
-        sharded = dist_info.mode == "fsdp2" and dist_info.active
-        if dist_info.is_main:
-            begin_checkpoint(path)
-        barrier(dist_info)
-        staging = partial_path(path)
-        full = full_state_dict(ctx.forward, dist_info)
-        if sharded and ctx.optimizer.state:  # (an empty state needs no file; torch would "initialise" it with a step)
-            save_sharded_optimizer(ctx.forward, ctx.optimizer, staging / "sharded")
-        if not dist_info.is_main:
-            save_rank_rng(staging, dist_info.rank, ctx.generator)
-        barrier(dist_info)
-        if dist_info.is_main:
-            guard = getattr(ctx, "guard", None)
-            state = {"step": step, "optimizer": None if sharded else ctx.optimizer.state_dict(),
-                     "sharded_optimizer": sharded, "optimizer_empty": not ctx.optimizer.state,
-                     "distributed": dist_info.mode, "world": dist_info.world,
-                     "scheduler": ctx.scheduler.state_dict(), "data": self.stream.state(),
-                     "rng": rng_state(ctx.generator), "start_eval": self.start_eval,
-                     "critic": ctx.critic.state_dict() if ctx.critic is not None else None,
-                     "guard": dict(vars(guard)) if guard is not None else None, "eval_pending": eval_pending,
-                     "wall_seconds": self.wall_before + time.perf_counter() - self.t_start}
-            save_checkpoint(path, ctx.policy, self.cfg, state, state_dict=full, staged=True)
-            rotate_checkpoints(self.run_dir, t.keep_checkpoints, newest=step, final=t.steps)
-        barrier(dist_info)
-        return path
-
-    def step(self, step: int) -> tuple[dict[str, float], dict | None]:
-        """One RL (or offline DPO) step on the next prompts; this rank's shard of them under torchrun."""
-        ctx, rollout = self.ctx, self.cfg.rollout
-        ctx.step = step
-        if self.dpo is not None:
-            metrics = self.dpo.step(self.stream.next(rollout.prompts_per_step), ctx.optimizer, ctx.scheduler)
-            metrics.setdefault("reward/total/mean", metrics["dpo/accuracy"])
-            metrics.setdefault("accuracy", metrics["dpo/accuracy"])
-            return metrics, None
-        start, stop = self.shard
-        samples = [self.train_set[i] for i in self.stream.next(rollout.prompts_per_step)[start:stop]]
-        markers = marker_sets(self.cfg.eval.reflection_words, self.cfg.eval.backtracking_words)
-        metrics, gallery = rl_step(ctx, samples, draw=lambda k: [self.train_set[i] for i in self.stream.next(k)],
-                                   markers=markers)
-        return reduce_metrics(metrics, ctx.dist), gallery
-
-
-def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewards: list[RewardSpec],
-               generator: torch.Generator, dist_info, start_eval: dict, resume: Path | None,
-               resume_state: dict | None) -> RLJob:
-    """Reference, offline DPO pairs, the distributed wrapper, optimizer, scheduler, prompt stream and critic; from a
-    checkpoint's state when resuming."""
-    d, m, algo, t = cfg.data, cfg.model, cfg.algorithm, cfg.trainer
-    offline_dpo = d.preferences is not None
-    if t.disable_dropout:
-        disable_dropout(policy.model)
-    reference = None
-    if algo.beta > 0 or algo.policy_loss == "dpo" or offline_dpo:
-        # the RL start: a frozen copy (checkpoint-0 when resuming), or under LoRA the policy with adapters disabled
-        reference = Reference.of(policy, None if resume_state is None else run_dir / "checkpoint-0", dtype=m.dtype,
-                                 device=dist_info.device, min_pixels=m.min_pixels, max_pixels=m.max_pixels,
-                                 autocast=m.autocast)
-    dpo, train_set = None, data.train
-    if offline_dpo:
-        pairs, pref_report = build_dataset(d.preferences, "train", d.seed + 2, d.on_error)
-        if pref_report is None:  # a built-in task: pairs from its labels (chosen = right answer, rejected = wrong)
-            pairs = synthetic_preferences(pairs, cfg.sft.target_template, d.seed)
-        with reference.active() as reference_policy:
-            dpo = OfflineDPO(policy, reference_policy, pairs, cfg)
-        train_set = pairs
-    if dist_info.active and (algo.advantage == "gae" or offline_dpo or algo.dynamic_sampling):
-        raise ConfigError("trainer.distributed supports the GRPO family, RLOO, REINFORCE++, ReMax and online DPO so "
-                         "far; run critics, offline DPO and dynamic sampling in one process")
-    forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
-    params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps))
-    stream = PromptStream(len(train_set), generator)
-    sharded = dist_info.mode == "fsdp2" and dist_info.active
-    if resume_state is not None:  # (the RNG states are restored last, in `train`, right before the first step)
-        if len(resume_state["data"]["order"]) != len(train_set):
-            raise ConfigError(f"{resume}: its prompt order covers {len(resume_state['data']['order'])} prompts, "
-                              f"this run has {len(train_set)}: data.train (or data.preferences) changed; resume "
-                              "with the checkpoint's data, or start a new run from its weights")
-        if resume_state["optimizer"] is not None and not sharded:  # FSDP2: each rank loads its shard below
-            optimizer.load_state_dict(resume_state["optimizer"])
-        scheduler.load_state_dict(resume_state["scheduler"])
-        stream.load(resume_state["data"])
-    critic = None
-    if algo.advantage == "gae":
-        critic = Critic(policy, algo.critic, algo.critic_lr)
-        if resume_state is not None:
-            critic.load_state_dict(resume_state["critic"])
-    shard_start, shard_stop = shard(cfg.rollout.prompts_per_step, dist_info)
-    ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, algo, t, d.prompt_template,
-                      d.max_prompt_length, reference, critic, generator, prompt_offset=shard_start, dist=dist_info,
-                      forward=forward)
-    if resume_state is not None and sharded and (Path(resume) / "sharded").exists():
-        load_sharded_optimizer(forward, optimizer, Path(resume) / "sharded")
-    guard = getattr(ctx, "guard", None)
-    if resume_state is not None and guard is not None and resume_state.get("guard"):
-        vars(guard).update(resume_state["guard"])
-    return RLJob(cfg, ctx, stream, train_set, run_dir, start_eval, dpo, (shard_start, shard_stop))
-
-
-def start_vllm(cfg: Config, ctx: StepContext, run_dir: Path, dist_info):
-    """A colocated vLLM engine started from checkpoint-0 (under LoRA a merged copy of it), then given the current
-    weights (a resumed run's)."""
-    from vlmrl.models.trainable import merge_checkpoint
-    from vlmrl.rollout.vllm_engine import VLLMEngine
-
-    start = run_dir / "checkpoint-0"
-    if ctx.policy.has_adapters:
-        merged = run_dir / "vllm_start"
-        if dist_info.is_main and not merged.exists():
-            merge_checkpoint(start, merged, dtype=cfg.model.dtype)  # the precision training runs in
-        barrier(dist_info)
-        start = merged
-    engine = VLLMEngine(start, cfg.rollout.vllm, seed=cfg.trainer.seed, device=dist_info.device)
-    with gathered(ctx.forward):
-        engine.push_weights(ctx.policy)
-    return engine
 
 
 def train(cfg: Config, progress: Progress | None = None, resume: str | Path | None = None) -> dict:

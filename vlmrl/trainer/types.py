@@ -4,12 +4,14 @@ hands stage IV (`Trajectories`). Kept apart from the stages themselves so that `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from vlmrl.algorithms.kl import KLController
 from vlmrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from vlmrl.models.policy import Policy
 from vlmrl.models.reference import Reference
@@ -39,11 +41,16 @@ class StepContext:
     dist: DistInfo = field(default_factory=DistInfo)
     forward: torch.nn.Module | None = None  # the training forward, wrapped by DDP/FSDP2 when distributed
     engine: object | None = None  # rollout.engine=vllm: vlmrl.rollout.vllm_engine.VLLMEngine (None: built-in sampler)
+    observe: Callable[[dict, list[bool]], None] | None = None  # (sample, its group's correctness): the curriculum's
+    kl: KLController | None = None  # the KL coefficient beta, fixed or adaptive (algorithm.kl_target)
+    replay: object | None = None  # vlmrl.trainer.replay.Replay: the SFT loss mixed into the update (replay.weight)
     guard: NonfiniteGuard = field(default_factory=NonfiniteGuard)  # optimizer steps skipped for a NaN/inf, run-long
 
     def __post_init__(self):
         if self.forward is None:
             self.forward = TrainingForward(self.policy)
+        if self.kl is None:
+            self.kl = KLController(self.algorithm.beta, self.algorithm.kl_target, self.algorithm.kl_rate)
 
     @property
     def batch_used_once(self) -> bool:

@@ -5,6 +5,9 @@ most one row; one optimizer step each) and chunks of at most `micro_batch` rows 
 tokens (gradient accumulation: memory only; every chunk's loss is normalised by its whole minibatch, so the gradient
 does not depend on the chunking).
 
+With `replay` (vlmrl/trainer/replay.py), each optimizer step of a due RL step also accumulates weight x the SFT
+loss of a labelled batch into the gradients before it is taken.
+
 Every optimizer step goes through `guarded_step` (vlmrl/trainer/guard.py): a non-finite loss or gradient norm skips
 it on every rank and is counted (`nonfinite_steps`, over the run), `trainer.max_nonfinite_steps` in a row stop the
 run, and an all-zero policy gradient is not stepped. The learning-rate schedule advances once per update in which the
@@ -73,6 +76,10 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
                 for key, value in parts.items():  # losses already carry their share; means are weighted here
                     weight = 1.0 if key in ("loss", "value_loss") else len(rows) / len(minibatch)
                     sums[key] = sums.get(key, 0.0) + value * weight
+            if ctx.replay is not None and ctx.replay.due(ctx.step) and not warmup:  # + weight x the SFT loss
+                replay_loss = ctx.replay.backward(ctx.policy, ctx.generator)
+                mb_loss += ctx.replay.weight * replay_loss
+                sums["replay/loss"] = sums.get("replay/loss", 0.0) + replay_loss
             groups = [] if warmup else [(ctx.optimizer, policy_params)]
             if critic is not None:
                 groups.append((critic.optimizer, [p for group in critic.optimizer.param_groups
@@ -137,8 +144,8 @@ def micro_batch_loss(ctx: StepContext, prompts: PromptBatch, traj: Trajectories,
     parts = {"clip_fraction": pl.clip_fraction.item(), "entropy": masked_mean(out.entropy.detach(), mask).item()}
     if traj.ref_logprobs is not None:
         kl = kl_estimate(out.logprobs, traj.ref_logprobs[rows], algo.kl_estimator)
-        if algo.kl_in == "loss" and algo.beta:
-            per_token = per_token + algo.beta * kl
+        if algo.kl_in == "loss" and ctx.kl.beta:
+            per_token = per_token + ctx.kl.beta * kl
         parts["kl"] = masked_mean(kl.detach(), mask).item()
     if algo.entropy_coef:
         per_token = per_token - algo.entropy_coef * out.entropy

@@ -1,0 +1,231 @@
+"""The RL phase of a `vlmrl train` job: its state (`RLJob`: the step context, the prompt stream or curriculum, what a
+checkpoint saves) and how it is built (`prepare_rl`: reference, optimizer, scheduler, critic, curriculum, replay, the
+adaptive KL controller; from a checkpoint's state when resuming). `vlmrl.trainer.run` drives it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vlmrl.config import Config
+from vlmrl.data import build_dataset
+from vlmrl.errors import ConfigError
+from vlmrl.eval.metrics import marker_sets
+from vlmrl.models.policy import Policy
+from vlmrl.models.reference import Reference
+from vlmrl.models.trainable import disable_dropout
+from vlmrl.rewards import RewardSpec
+from vlmrl.trainer.checkpoint import (
+    begin_checkpoint,
+    partial_path,
+    rng_state,
+    rotate_checkpoints,
+    save_checkpoint,
+    save_rank_rng,
+)
+from vlmrl.trainer.critic import Critic
+from vlmrl.trainer.curriculum import Curriculum, difficulties, wants_curriculum
+from vlmrl.trainer.distributed import (
+    barrier,
+    full_state_dict,
+    gathered,
+    load_sharded_optimizer,
+    reduce_metrics,
+    save_sharded_optimizer,
+    shard,
+    wrap,
+)
+from vlmrl.trainer.dpo import OfflineDPO, synthetic_preferences
+from vlmrl.trainer.inputs import Datasets, PromptStream
+from vlmrl.trainer.replay import Replay
+from vlmrl.trainer.rl import StepContext, rl_step
+
+
+def lr_lambda(schedule: str, warmup: int, total: int):
+    def factor(step: int) -> float:
+        if warmup and step < warmup:
+            return (step + 1) / warmup
+        progress = (step - warmup) / max(total - warmup, 1)
+        if schedule == "linear":
+            return max(0.0, 1.0 - progress)
+        if schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+    return factor
+
+
+@dataclass
+class RLJob:
+    """Everything the RL phase holds: the step context (policy, optimizer, scheduler, reference, critic), the prompt
+    stream, offline DPO when configured, and what a checkpoint needs to save it."""
+
+    cfg: Config
+    ctx: StepContext
+    stream: PromptStream
+    train_set: list[dict]
+    run_dir: Path
+    start_eval: dict
+    dpo: OfflineDPO | None = None
+    shard: tuple[int, int] = (0, 0)
+    wall_before: float = 0.0  # seconds of this run spent in earlier processes (up to the resumed checkpoint)
+    notes: list[str] = field(default_factory=list)  # warnings the RL loop gave (repeated in the summary)
+    t_start: float = 0.0  # time.perf_counter() when this process started
+
+    def checkpoint(self, step: int, eval_pending: bool = False) -> Path:
+        """RUN_DIR/checkpoint-STEP, written atomically (vlmrl.trainer.checkpoint): the weights (loadable with
+        from_pretrained) and the resumable state. Under torchrun every rank joins the gather, writes its RNG states
+        and, under FSDP2, its optimizer shard, before rank 0 completes and publishes the folder. `eval_pending`: the
+        evaluation scheduled at this step has not run (a stop); the resumed run runs it first."""
+        ctx, dist_info, t = self.ctx, self.ctx.dist, self.cfg.trainer
+        path = self.run_dir / f"checkpoint-{step}"
+        sharded = dist_info.mode == "fsdp2" and dist_info.active
+        if dist_info.is_main:
+            begin_checkpoint(path)
+        barrier(dist_info)
+        staging = partial_path(path)
+        full = full_state_dict(ctx.forward, dist_info)
+        if sharded and ctx.optimizer.state:  # (an empty state needs no file; torch would "initialise" it with a step)
+            save_sharded_optimizer(ctx.forward, ctx.optimizer, staging / "sharded")
+        if not dist_info.is_main:
+            save_rank_rng(staging, dist_info.rank, ctx.generator)
+        barrier(dist_info)
+        if dist_info.is_main:
+            guard = getattr(ctx, "guard", None)
+            state = {"step": step, "optimizer": None if sharded else ctx.optimizer.state_dict(),
+                     "sharded_optimizer": sharded, "optimizer_empty": not ctx.optimizer.state,
+                     "distributed": dist_info.mode, "world": dist_info.world,
+                     "scheduler": ctx.scheduler.state_dict(), "data": self.stream.state(),
+                     "rng": rng_state(ctx.generator), "start_eval": self.start_eval,
+                     "critic": ctx.critic.state_dict() if ctx.critic is not None else None,
+                     "guard": dict(vars(guard)) if guard is not None else None, "eval_pending": eval_pending,
+                     "kl": ctx.kl.state(),
+                     "wall_seconds": self.wall_before + time.perf_counter() - self.t_start}
+            save_checkpoint(path, ctx.policy, self.cfg, state, state_dict=full, staged=True)
+            rotate_checkpoints(self.run_dir, t.keep_checkpoints, newest=step, final=t.steps)
+        barrier(dist_info)
+        return path
+
+    def step(self, step: int) -> tuple[dict[str, float], dict | None]:
+        """One RL (or offline DPO) step on the next prompts; this rank's shard of them under torchrun."""
+        ctx, rollout = self.ctx, self.cfg.rollout
+        ctx.step = step
+        if self.dpo is not None:
+            metrics = self.dpo.step(self.stream.next(rollout.prompts_per_step), ctx.optimizer, ctx.scheduler)
+            metrics.setdefault("reward/total/mean", metrics["dpo/accuracy"])
+            metrics.setdefault("accuracy", metrics["dpo/accuracy"])
+            return metrics, None
+        start, stop = self.shard
+        curriculum = self.stream if isinstance(self.stream, Curriculum) else None
+        if curriculum is not None:
+            curriculum.set_step(step)
+        samples = [self.train_set[i] for i in self.stream.next(rollout.prompts_per_step)[start:stop]]
+        markers = marker_sets(self.cfg.eval.reflection_words, self.cfg.eval.backtracking_words)
+        beta = ctx.kl.beta
+        metrics, gallery = rl_step(ctx, samples, draw=lambda k: [self.train_set[i] for i in self.stream.next(k)],
+                                   markers=markers)
+        metrics = reduce_metrics(metrics, ctx.dist)
+        if ctx.kl.adaptive:  # the next step's beta, from this step's KL (the same on every rank: reduced first)
+            metrics["kl_beta"] = beta
+            ctx.kl.update(metrics.get("kl"))
+        if curriculum is not None:
+            metrics.update(curriculum.metrics())
+        return metrics, gallery
+
+
+def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewards: list[RewardSpec],
+               generator: torch.Generator, dist_info, start_eval: dict, resume: Path | None,
+               resume_state: dict | None) -> RLJob:
+    """Reference, offline DPO pairs, the distributed wrapper, optimizer, scheduler, prompt stream and critic; from a
+    checkpoint's state when resuming."""
+    d, m, algo, t = cfg.data, cfg.model, cfg.algorithm, cfg.trainer
+    offline_dpo = d.preferences is not None
+    if t.disable_dropout:
+        disable_dropout(policy.model)
+    reference = None
+    if algo.beta > 0 or algo.policy_loss == "dpo" or offline_dpo:
+        # the RL start: a frozen copy (checkpoint-0 when resuming), or under LoRA the policy with adapters disabled
+        reference = Reference.of(policy, None if resume_state is None else run_dir / "checkpoint-0", dtype=m.dtype,
+                                 device=dist_info.device, min_pixels=m.min_pixels, max_pixels=m.max_pixels,
+                                 autocast=m.autocast)
+    dpo, train_set = None, data.train
+    if offline_dpo:
+        pairs, pref_report = build_dataset(d.preferences, "train", d.seed + 2, d.on_error)
+        if pref_report is None:  # a built-in task: pairs from its labels (chosen = right answer, rejected = wrong)
+            pairs = synthetic_preferences(pairs, cfg.sft.target_template, d.seed)
+        with reference.active() as reference_policy:
+            dpo = OfflineDPO(policy, reference_policy, pairs, cfg)
+        train_set = pairs
+    curriculum, replay = wants_curriculum(cfg.curriculum), cfg.replay.weight > 0
+    if dist_info.active and (algo.advantage == "gae" or offline_dpo or algo.dynamic_sampling or curriculum or replay):
+        raise ConfigError("trainer.distributed supports the GRPO family, RLOO, REINFORCE++, ReMax and online DPO so "
+                         "far; run critics, offline DPO, dynamic sampling, a curriculum and replay in one process")
+    if offline_dpo and (curriculum or replay):
+        raise ConfigError("data.preferences (offline DPO) trains on fixed pairs: curriculum and replay apply to RL "
+                          "prompts only; remove the curriculum/replay sections or data.preferences")
+    forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps))
+    if curriculum:
+        order = cfg.curriculum.order
+        stream = Curriculum(len(train_set), generator, cfg.curriculum, t.steps,
+                            difficulties(train_set) if order == "easy_to_hard" else None)
+    else:
+        stream = PromptStream(len(train_set), generator)
+    sharded = dist_info.mode == "fsdp2" and dist_info.active
+    if resume_state is not None:  # (the RNG states are restored last, in `train`, right before the first step)
+        if len(resume_state["data"]["order"]) != len(train_set):
+            raise ConfigError(f"{resume}: its prompt order covers {len(resume_state['data']['order'])} prompts, "
+                              f"this run has {len(train_set)}: data.train (or data.preferences) changed; resume "
+                              "with the checkpoint's data, or start a new run from its weights")
+        if resume_state["optimizer"] is not None and not sharded:  # FSDP2: each rank loads its shard below
+            optimizer.load_state_dict(resume_state["optimizer"])
+        scheduler.load_state_dict(resume_state["scheduler"])
+        stream.load(resume_state["data"])
+    critic = None
+    if algo.advantage == "gae":
+        critic = Critic(policy, algo.critic, algo.critic_lr)
+        if resume_state is not None:
+            critic.load_state_dict(resume_state["critic"])
+    shard_start, shard_stop = shard(cfg.rollout.prompts_per_step, dist_info)
+    ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, algo, t, d.prompt_template,
+                      d.max_prompt_length, reference, critic, generator, prompt_offset=shard_start, dist=dist_info,
+                      forward=forward)
+    if curriculum:
+        position = {id(sample): i for i, sample in enumerate(train_set)}
+        ctx.observe = lambda sample, correct: stream.observe(position[id(sample)], correct)
+    if replay:
+        ctx.replay = Replay(data.replay, cfg.replay.weight, cfg.replay.every, cfg.replay.batch_size,
+                            cfg.sft.target_template, d.prompt_template, d.max_prompt_length)
+    if resume_state is not None:
+        ctx.kl.load(resume_state.get("kl"))
+    if resume_state is not None and sharded and (Path(resume) / "sharded").exists():
+        load_sharded_optimizer(forward, optimizer, Path(resume) / "sharded")
+    guard = getattr(ctx, "guard", None)
+    if resume_state is not None and guard is not None and resume_state.get("guard"):
+        vars(guard).update(resume_state["guard"])
+    return RLJob(cfg, ctx, stream, train_set, run_dir, start_eval, dpo, (shard_start, shard_stop))
+
+
+def start_vllm(cfg: Config, ctx: StepContext, run_dir: Path, dist_info):
+    """A colocated vLLM engine started from checkpoint-0 (under LoRA a merged copy of it), then given the current
+    weights (a resumed run's)."""
+    from vlmrl.models.trainable import merge_checkpoint
+    from vlmrl.rollout.vllm_engine import VLLMEngine
+
+    start = run_dir / "checkpoint-0"
+    if ctx.policy.has_adapters:
+        merged = run_dir / "vllm_start"
+        if dist_info.is_main and not merged.exists():
+            merge_checkpoint(start, merged, dtype=cfg.model.dtype)  # the precision training runs in
+        barrier(dist_info)
+        start = merged
+    engine = VLLMEngine(start, cfg.rollout.vllm, seed=cfg.trainer.seed, device=dist_info.device)
+    with gathered(ctx.forward):
+        engine.push_weights(ctx.policy)
+    return engine
