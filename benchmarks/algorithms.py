@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ALGORITHMS = ["quickstart", "grpo_kl", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_single",
+ALGORITHMS = ["grpo", "grpo_kl", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_single",
               "remax", "ppo", "dpo_online", "dpo_offline"]
 
 

@@ -101,6 +101,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+GRPO_RECIPE = str(ROOT / "recipes" / "grpo.yaml")  # plain GRPO: the cases set their own model, data and steps
 for folder in (ROOT, Path(__file__).resolve().parent):  # vlmrl from a checkout; gpu_check_drift beside this file
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
@@ -335,8 +336,8 @@ def case_overrides(case: dict, s: dict, args, folder: str, run_dir: Path) -> lis
 def case_command(case: dict, overrides: list[str]) -> list[str]:
     if case["launcher"] == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={case['nproc']}",
-                "-m", "vlmrl", "train", *overrides]
-    return [sys.executable, "-m", "vlmrl", "train", *overrides]
+                "-m", "vlmrl", "train", GRPO_RECIPE, *overrides]
+    return [sys.executable, "-m", "vlmrl", "train", GRPO_RECIPE, *overrides]
 
 
 def disk_needed_gb(params: int, case: dict, dtype_bytes: int = 2) -> float:

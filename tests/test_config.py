@@ -9,8 +9,19 @@ from vlmrl.config import Config, ConfigError, load_config, parse_override
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_defaults_are_the_quickstart_recipe():
-    assert load_config(ROOT / "recipes/quickstart.yaml") == Config()
+def test_vlmrl_train_without_a_recipe_runs_the_packaged_quickstart(monkeypatch):
+    from vlmrl import cli
+    from vlmrl.config import QUICKSTART
+
+    assert (ROOT / "recipes/quickstart.yaml").resolve() == QUICKSTART  # one file, linked from recipes/
+    quickstart = load_config(QUICKSTART)
+    assert quickstart != Config() and quickstart.algorithm.dynamic_sampling  # library defaults stay plain GRPO
+    assert quickstart.data.eval["n"] >= 600  # 95% intervals of at most +-4 points
+    seen = {}
+    monkeypatch.setattr("vlmrl.trainer.run.train", lambda cfg, *a, **k: seen.setdefault("cfg", cfg) and 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        cli.main(["train", "trainer.seed=3"])
+    assert seen["cfg"] == load_config(QUICKSTART, ["trainer.seed=3"])
 
 
 def test_every_recipe_validates():

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2VLForConditionalGeneration
 
-from .test_train_e2e import SMALL
+from .test_train_e2e import GRPO, SMALL
 
 STEPS = ["trainer.steps=2", "sft.steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4", "data.eval.n=4",
          "trainer.lr=1e-2"]  # a large lr makes a wrong update visible
@@ -21,7 +21,7 @@ REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for 
 def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None, extra: tuple = ()) -> dict:
     reward = tmp_path / "varied_reward.py"
     reward.write_text(REWARD)
-    args = ["-m", "vlmrl", "train", *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}", "trainer.save_every=1",
+    args = ["-m", "vlmrl", "train", GRPO, *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}", "trainer.save_every=1",
             f"trainer.distributed={mode}", f"rewards=[{{name: '{reward}:score'}}]", *extra]
     args += ["--resume", str(tmp_path / name / resume)] if resume else []
     if nproc > 1:

@@ -27,11 +27,11 @@ from vlmrl.config import load_config
 from vlmrl.trainer.checkpoint import KILL_IN_SAVE, checkpoint_problem
 from vlmrl.trainer.resume import find_resume_point
 
-from .test_train_e2e import SMALL
+from .test_train_e2e import GRPO, SMALL
 
 STEPS = 8
 # 6 prompts, 2 per step: the prompt stream starts a new shuffled pass (epoch) at steps 4 and 7
-ARGS = [*SMALL, "data.train.n=6", "data.sft.n=8", "data.eval.n=4", f"trainer.steps={STEPS}", "trainer.eval_every=3",
+ARGS = [GRPO, *SMALL, "data.train.n=6", "data.sft.n=8", "data.eval.n=4", f"trainer.steps={STEPS}", "trainer.eval_every=3",
         "trainer.log_rollouts_every=1", "trainer.lr=1e-2", "rollout.prompts_per_step=2"]
 # answers of different lengths score differently even for an untrained model, so every step moves the weights
 REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for c in completions]\n"

@@ -1,6 +1,7 @@
 """The whole path on a very small model: SFT -> eval -> RL -> checkpoint -> eval CLI -> exact resume."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ from vlmrl.cli import main
 from vlmrl.config import load_config
 from vlmrl.trainer.run import train
 
+# plain GRPO for the tests that run `vlmrl train` itself (without a recipe it runs the quickstart: DAPO's settings)
+GRPO = str(Path(__file__).resolve().parents[1] / "recipes/grpo.yaml")
 SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
          "model.tiny.intermediate_size=64", "model.tiny.vision_depth=1", "model.tiny.vision_dim=32",
          "model.tiny.vision_heads=2", "model.tiny.vocab_size=400",

@@ -10,7 +10,8 @@ from pathlib import Path
 
 TRAIN_HELP = """Train a VLM with RL (SFT warm-start, then GRPO), from a YAML recipe plus dotted overrides.
 
-With no arguments this runs the quickstart: the embedded tiny Qwen2-VL learns to count coloured shapes on a CPU.
+Without a recipe this runs the quickstart (vlmrl/recipes/quickstart.yaml): the embedded tiny Qwen2-VL learns to count
+coloured shapes on a CPU.
 Examples:
   vlmrl train
   vlmrl train recipes/quickstart.yaml trainer.lr=1e-4 rollout.group_size=4
@@ -46,12 +47,15 @@ class BarProgress:
         print(text, file=sys.stderr)
 
 
-def _pct(x: float) -> str:
-    return f"{100 * x:5.1f}%"
+def _accuracy(metrics: dict, key: str) -> str:
+    """'65.7% [62.0, 69.4]': an accuracy with its 95% interval (vlmrl.eval.metrics.accuracy_interval)."""
+    from vlmrl.eval.metrics import format_interval
+
+    return format_interval(metrics.get(key), metrics.get(f"{key}_ci_low"), metrics.get(f"{key}_ci_high"))
 
 
 def cmd_train(args) -> int:
-    from vlmrl.config import load_config, to_dict
+    from vlmrl.config import QUICKSTART, load_config, to_dict
 
     recipe, overrides = None, list(args.args)
     if overrides and "=" not in overrides[0]:
@@ -60,7 +64,7 @@ def cmd_train(args) -> int:
         from vlmrl.trainer.resume import run_recipe
 
         recipe = run_recipe(args.resume)  # the run's own config.yaml; overrides apply on top of it
-    cfg = load_config(recipe, overrides)  # fails on a typo before any model is built
+    cfg = load_config(recipe or QUICKSTART, overrides)  # no recipe: the quickstart; fails on a typo before any model
     if args.show_config:
         import yaml
 
@@ -79,12 +83,15 @@ def cmd_train(args) -> int:
         return 0
     start, final = summary["start"], summary["final"]
     print(f"\nrun directory: {summary['run_dir']}")
-    print(f"{'held-out':<22}{'after SFT':>12}{'after RL':>12}")
+    print(f"{'held-out':<22}{'after SFT':>22}{'after RL':>22}")
     for key in ("greedy/accuracy", "sampled/accuracy", "greedy/mean_reward", "greedy/mean_length"):
         if key in final:
-            a, b = start.get(key, float("nan")), final[key]
-            fmt = _pct if "accuracy" in key else (lambda x: f"{x:6.2f}")
-            print(f"{key:<22}{fmt(a):>12}{fmt(b):>12}")
+            cells = [_accuracy(run, key) if "accuracy" in key else f"{run.get(key, float('nan')):6.2f}"
+                     for run in (start, final)]
+            print(f"{key:<22}{cells[0]:>22}{cells[1]:>22}")
+    n = final.get("greedy/n")
+    if n:
+        print(f"(accuracy on {int(n)} held-out samples, with its 95% interval)")
     print(f"wall time: {summary['wall_seconds']:.0f} s; final checkpoint: {summary['checkpoint']}")
     if summary["skipped_rows"]:
         print(f"skipped {summary['skipped_rows']} bad data rows (data.on_error=skip):")

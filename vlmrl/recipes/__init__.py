@@ -1,0 +1,1 @@
+"""Recipes that ship with the package: `quickstart.yaml` is what `vlmrl train` runs without a recipe."""
