@@ -31,7 +31,7 @@ from .test_train_e2e import GRPO, SMALL
 
 STEPS = 8
 # 6 prompts, 2 per step: the prompt stream starts a new shuffled pass (epoch) at steps 4 and 7
-ARGS = [GRPO, *SMALL, "data.train.n=6", "data.sft.n=8", "data.eval.n=4", f"trainer.steps={STEPS}", "trainer.eval_every=3",
+ARGS = [*SMALL, "data.train.n=6", "data.sft.n=8", "data.eval.n=4", f"trainer.steps={STEPS}", "trainer.eval_every=3",
         "trainer.log_rollouts_every=1", "trainer.lr=1e-2", "rollout.prompts_per_step=2"]
 # answers of different lengths score differently even for an untrained model, so every step moves the weights
 REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for c in completions]\n"
@@ -99,7 +99,7 @@ class Stage:
 def run_chain_stage(root: Path, name: str, stage: Stage, first: bool) -> None:
     run_dir, env = root / name, {**os.environ, "OMP_NUM_THREADS": "1"}
     if first:
-        cmd = train_args(root, name, "trainer.save_every=2")
+        cmd = [GRPO, *train_args(root, name, "trainer.save_every=2")]  # (the CLI without a recipe: the quickstart)
     else:
         point = find_resume_point(run_dir)
         stage.result["resumed_from"] = point.step
@@ -299,8 +299,8 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_after_the_same_step(tmp_p
             proc.kill()
         return proc.wait(), (tmp_path / log).read_text()
 
-    whole = launch("whole.log", *train_args(tmp_path, "whole", "trainer.distributed=ddp"))
-    stopped = launch("stopped.log", *train_args(tmp_path, "stopped", "trainer.distributed=ddp"))
+    whole = launch("whole.log", GRPO, *train_args(tmp_path, "whole", "trainer.distributed=ddp"))
+    stopped = launch("stopped.log", GRPO, *train_args(tmp_path, "stopped", "trainer.distributed=ddp"))
     signalled, deadline = None, time.monotonic() + 600
     while stopped.poll() is None and time.monotonic() < deadline:
         if signalled is None and last_train_step(tmp_path / "stopped") >= 3:
