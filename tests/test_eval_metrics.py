@@ -256,3 +256,14 @@ def test_every_printed_accuracy_carries_its_interval():
     assert row == ("greedy/accuracy", "30.0 [25.0, 35.0]", "70.0 [66.0, 74.0]", "+40.0")
     (row,) = before_after([FakeRun([start, end]), FakeRun([start, end])])
     assert row[2] == "70.0 ± 0.0 (95% CI ±4.0 per run)"
+
+
+def test_seeds_table_shows_the_per_run_interval_beside_the_spread():
+    from vlmrl.eval.tables import seeds_table_text
+
+    stats = lambda mean, std=None: {"mean": mean, "std": std, "max": mean}  # noqa: E731
+    seeds = {"seeds": [0, 1], "metrics": {"final/greedy/accuracy": stats(0.65, 0.02),
+                                          "final/greedy/accuracy_ci_low": stats(0.61),
+                                          "final/greedy/accuracy_ci_high": stats(0.69)}}
+    row = seeds_table_text(seeds).splitlines()[2].split()
+    assert row == ["final", "65.0", "±", "2.0", "±4.0", "65.0"]

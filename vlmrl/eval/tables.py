@@ -76,5 +76,7 @@ def seeds_table_text(seeds: dict, key: str = "greedy/accuracy") -> str:
     for name, stats in m.items():
         if name.endswith("/" + key) and stats["mean"] is not None:
             std = f" ± {100 * stats['std']:.1f}" if stats["std"] is not None else ""
-            rows.append([name[: -len(key) - 1], f"{100 * stats['mean']:.1f}{std}", f"{100 * stats['max']:.1f}"])
-    return _grid([f"{key} over seeds {seeds['seeds']}", "mean ± std", "max"], rows)
+            low, high = m.get(f"{name}_ci_low", {}).get("mean"), m.get(f"{name}_ci_high", {}).get("mean")
+            ci = f"±{50 * (high - low):.1f}" if low is not None and high is not None else "-"
+            rows.append([name[: -len(key) - 1], f"{100 * stats['mean']:.1f}{std}", ci, f"{100 * stats['max']:.1f}"])
+    return _grid([f"{key} over seeds {seeds['seeds']}", "mean ± std", "95% CI per run", "max"], rows)
