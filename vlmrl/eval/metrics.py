@@ -9,6 +9,7 @@ backtracking (self-correction): answers that abandon or revise a step ("wait", "
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections import Counter
@@ -152,6 +153,11 @@ def majority_vote(keys: Sequence[str | None], correct: Sequence[bool]) -> bool:
 def reflection_pattern(words: Sequence[str]) -> re.Pattern:
     """One case-insensitive regex matching any of `words` on word boundaries: not preceded or followed by a letter,
     digit or underscore. A space inside a phrase matches any whitespace ("check  again")."""
+    return _pattern(tuple(words))
+
+
+@functools.lru_cache(maxsize=64)  # built once per word list: every RL step matches it against every answer
+def _pattern(words: tuple[str, ...]) -> re.Pattern:
     if not words:
         raise ValueError("reflection words: the list is empty; give at least one word or phrase")
     parts = [r"\s+".join(re.escape(p) for p in w.strip().split()) for w in sorted(set(words), key=len, reverse=True)]
@@ -160,8 +166,10 @@ def reflection_pattern(words: Sequence[str]) -> re.Pattern:
 
 def reflection_words_in(text: str, words: Sequence[str]) -> Counter:
     """Occurrences of each word of `words` in `text` (word-boundary, case-insensitive), keyed by the listed word."""
-    canon = {" ".join(w.lower().split()): w for w in words}
     found = reflection_pattern(words).findall(text)
+    if not found:
+        return Counter()
+    canon = {" ".join(w.lower().split()): w for w in words}
     return Counter(canon[" ".join(m.lower().split())] for m in found)
 
 
