@@ -1,11 +1,11 @@
-"""Two speed-ups that must not change what the model sees: the processed-image cache and the patch embedding as a
-matrix product."""
+"""Speed-ups that must not change what the model sees: the processed-image cache, the patch embedding as a matrix
+product and the vision attention batched over images of one size."""
 
 import torch
 from PIL import Image
 
 from vlmrl.models.families.base import ImageCache
-from vlmrl.models.families.qwen_vl import patch_embed_as_linear
+from vlmrl.models.families.qwen_vl import batched_vision_attention, patch_embed_as_linear
 
 
 def test_cached_images_give_exactly_what_processing_gives(policy, count_samples):
@@ -62,3 +62,30 @@ def test_patch_embedding_as_a_matrix_product_equals_the_convolution():
     padded = torch.nn.Conv3d(3, 8, 3, 1, padding=1)
     patch_embed_as_linear(padded)  # not a patchify convolution: left alone
     assert "forward" not in vars(padded)
+
+
+def test_vision_attention_batched_over_equal_images_equals_transformers_per_image_loop(policy, count_samples):
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
+
+    blocks = policy.model.model.visual.blocks
+    assert all("forward" in vars(b.attn) for b in blocks)  # the family batched every Qwen2-VL vision attention
+    attn = blocks[0].attn
+    x = torch.randn(3 * 64, attn.dim, requires_grad=True)
+    angles = torch.randn(3 * 64, attn.head_dim)
+    rope = (angles.cos(), angles.sin())
+
+    def run(cu_seqlens, batched):
+        fresh = VisionAttention(attn.config)
+        fresh.load_state_dict(attn.state_dict())
+        if batched:
+            batched_vision_attention(fresh)
+        x.grad = None
+        out = fresh(x, cu_seqlens=torch.tensor(cu_seqlens, dtype=torch.int32), position_embeddings=rope)
+        out.pow(2).sum().backward()
+        return out.detach(), x.grad.clone(), fresh.qkv.weight.grad.clone()
+
+    for cu in ([0, 64, 128, 192], [0, 64, 192]):  # three equal images (one call); two of different sizes (the loop)
+        for ref, got in zip(run(cu, False), run(cu, True), strict=True):
+            assert torch.allclose(ref, got, atol=1e-5), cu
+    spread = run([0, 64, 128, 192], True)[0]
+    assert not torch.allclose(spread, run([0, 192], True)[0], atol=1e-3)  # the images do not attend to each other

@@ -85,6 +85,33 @@ def patch_embed_as_linear(conv: torch.nn.Conv3d) -> None:
     conv.forward = forward
 
 
+def batched_vision_attention(attn: torch.nn.Module) -> None:
+    """Run Qwen2-VL's vision self-attention in one call when every image has the same number of patches.
+
+    transformers splits the patch sequence at `cu_seqlens` and calls attention once per image (outside flash
+    attention); with the quickstart's 16 images of 64 patches that is 16 small kernels per layer, each mostly
+    overhead on CPU. Equal-length images are independent rows of one [images, heads, patches, dim] attention: the
+    same math in one kernel. Anything else (images of different sizes, another attention implementation, dropout)
+    takes transformers' own path."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
+
+    original = attn.forward
+
+    def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings=None, **kwargs) -> Tensor:
+        lengths = cu_seqlens.diff()
+        if (attn.config._attn_implementation != "sdpa" or position_embeddings is None or len(lengths) < 2
+                or (attn.training and attn.attention_dropout) or not bool((lengths == lengths[0]).all())):
+            return original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+        s, images = hidden_states.shape[0], len(lengths)
+        q, k, v = attn.qkv(hidden_states).reshape(s, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
+        q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
+        q, k, v = (x.reshape(images, s // images, attn.num_heads, -1).transpose(1, 2) for x in (q, k, v))
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=attn.scaling)
+        return attn.proj(out.transpose(1, 2).reshape(s, -1))
+
+    attn.forward = forward
+
+
 class QwenVLFamily(VLFamily):
     """Qwen2-VL / Qwen2.5-VL: vision features into `<|image_pad|>` tokens, M-RoPE positions from `get_rope_index`."""
 
@@ -94,6 +121,10 @@ class QwenVLFamily(VLFamily):
     def __init__(self, model):
         super().__init__(model)
         patch_embed_as_linear(self.inner.visual.patch_embed.proj)
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
+        for block in getattr(self.inner.visual, "blocks", []):
+            if type(block.attn) is VisionAttention:  # Qwen2-VL's (Qwen2.5-VL's windows differ in length)
+                batched_vision_attention(block.attn)
 
     def vision_output(self, batch: PromptBatch):
         grid = batch.vision["image_grid_thw"].to(self.device)
