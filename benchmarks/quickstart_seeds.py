@@ -1,10 +1,18 @@
-"""The quickstart over several seeds: held-out accuracy after SFT and after RL, per seed and mean ± std.
+"""The quickstart over seeds and thread counts: held-out accuracy after SFT, after RL and after the matched-compute
+SFT control, per run and mean ± std.
 
-    python benchmarks/quickstart_seeds.py --seeds 0 1 2 [KEY=VALUE ...]
+    python benchmarks/quickstart_seeds.py --seeds 0 1 2 --threads 1 2 --control [KEY=VALUE ...]
 
-Each seed runs `vlmrl train` (the quickstart recipe plus the overrides) in its own process, one after another,
-with all cores, exactly as a user would run it. Prints a markdown table for BENCHMARKS.md and writes the raw numbers
-to benchmarks/results/quickstart_seeds.json.
+Each (seed, threads) pair runs `vlmrl train` (the quickstart recipe plus the overrides) in its own process, exactly
+as a user would run it, with `trainer.threads` set. `--jobs 2` runs two at once (use it only for 1-thread runs on a
+2-core machine: each then has its core; a 2-thread run's wall time is only meaningful alone).
+
+`--control` then trains the matched-compute SFT control of every run (continued SFT on the labelled set from the run's
+own SFT start, `vlmrl.trainer.control.run_baselines`) for a fixed number of SFT steps: the run's RL training seconds
+divided by its own mean SFT step time, so the control gets the compute RL had whatever else shares the machine while
+the controls train (they may run in parallel, `--jobs`).
+
+Prints a markdown table for BENCHMARKS.md and writes the raw numbers to benchmarks/results/<--results>.
 """
 
 from __future__ import annotations
@@ -20,24 +28,53 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+CONTROL = """
+import sys
+from vlmrl.config import load_config
+from vlmrl.trainer.control import run_baselines, summary_of_run
+run, steps, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+cfg = load_config(run + "/config.yaml", [f"control.steps={steps}", f"trainer.threads={threads}", "eval.ood=null"])
+run_baselines(cfg, summary_of_run(run), "sft")
+"""
 
 
-def run_seed(seed: int, overrides: list[str], out_root: Path) -> dict:
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def run_one(seed: int, threads: int, overrides: list[str], out_root: Path) -> dict:
     """One `vlmrl train` in its own process: its wall time, its own CPU time and peak memory (from wait4)."""
-    out = out_root / f"seed{seed}"
-    cmd = [sys.executable, "-m", "vlmrl", "train", "recipes/quickstart.yaml", f"trainer.seed={seed}",
+    out = out_root / f"seed{seed}-threads{threads}"
+    cmd = [sys.executable, "-m", "vlmrl", "train", f"trainer.seed={seed}", f"trainer.threads={threads}",
            f"trainer.output_dir={out}", *overrides]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if status != 0:
-        raise RuntimeError(f"seed {seed}: vlmrl train failed ({status}); rerun {' '.join(cmd)}")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        raise RuntimeError(f"seed {seed}, {threads} thread(s): vlmrl train failed ({status}); rerun {' '.join(cmd)}")
+    rows = metrics(out)
     evals = [r for r in rows if r["phase"] == "eval"]
-    return {"seed": seed, "wall_seconds": wall, "cpu_seconds": usage.ru_utime + usage.ru_stime,
-            "peak_rss_mb": usage.ru_maxrss / 1024, "start": evals[0], "final": evals[-1],
-            "curve": [(r["step"], r["greedy/accuracy"]) for r in evals]}
+    sft = [r["time/update"] for r in rows if r["phase"] == "sft" and "time/update" in r]
+    rl = sum(r["time/collect_score"] + r["time/update"] for r in rows if r["phase"] == "train")
+    print(f"seed {seed}, {threads} thread(s): {100 * evals[0]['greedy/accuracy']:.1f} -> "
+          f"{100 * evals[-1]['greedy/accuracy']:.1f} in {wall:.0f} s", flush=True)
+    return {"seed": seed, "threads": threads, "run_dir": str(out), "wall_seconds": wall,
+            "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "rl_seconds": rl, "sft_step_seconds": statistics.mean(sft) if sft else None,
+            "start": evals[0], "final": evals[-1], "curve": [(r["step"], r["greedy/accuracy"]) for r in evals]}
+
+
+def add_control(result: dict) -> dict:
+    """The run's SFT control at matched compute: RL's training seconds / the run's mean SFT step time, in steps."""
+    steps = max(1, round(result["rl_seconds"] / result["sft_step_seconds"]))
+    run = result["run_dir"]
+    subprocess.run([sys.executable, "-c", CONTROL, run, str(steps), str(result["threads"])], cwd=ROOT, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    arms = json.loads((Path(run) / "baselines.json").read_text())["in_distribution"]
+    print(f"seed {result['seed']}, {result['threads']} thread(s): control {steps} SFT steps -> "
+          f"{100 * arms['control_sft']['greedy/accuracy']:.1f}", flush=True)
+    return {**result, "control_steps": steps, "control": arms["control_sft"]}
 
 
 def ci(row: dict, key: str = "greedy/accuracy") -> str:
@@ -52,37 +89,60 @@ def mean_std(xs: list[float]) -> str:
     return f"{100 * statistics.mean(xs):.1f} ± {100 * sd:.1f}"
 
 
+def table(results: list[dict]) -> str:
+    control = all("control" in r for r in results)
+    head = ["seed", "threads", "greedy after SFT", "greedy after RL", "gain"]
+    head += ["SFT control (steps)", "RL - control"] if control else []
+    head += ["sampled after SFT", "sampled after RL", "wall time", "CPU time", "peak RSS"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in results:
+        s, f = r["start"], r["final"]
+        cells = [str(r["seed"]), str(r["threads"]), ci(s), ci(f),
+                 f"{100 * (f['greedy/accuracy'] - s['greedy/accuracy']):+.1f}"]
+        if control:
+            cells += [f"{ci(r['control'])} ({r['control_steps']})",
+                      f"{100 * (f['greedy/accuracy'] - r['control']['greedy/accuracy']):+.1f}"]
+        cells += [f"{100 * s['sampled/accuracy']:.1f}", f"{100 * f['sampled/accuracy']:.1f}",
+                  f"{r['wall_seconds']:.0f} s", f"{r['cpu_seconds']:.0f} s", f"{r['peak_rss_mb']:.0f} MB"]
+        lines.append("| " + " | ".join(cells) + " |")
+    acc = lambda arm, mode="greedy": [r[arm][f"{mode}/accuracy"] for r in results]  # noqa: E731
+    walls = [r["wall_seconds"] for r in results]
+    cells = ["mean ± std", "", mean_std(acc("start")), mean_std(acc("final")),
+             mean_std([b - a for a, b in zip(acc("start"), acc("final"), strict=True)])]
+    if control:
+        cells += [mean_std(acc("control")),
+                  mean_std([b - a for a, b in zip(acc("control"), acc("final"), strict=True)])]
+    cells += [mean_std(acc("start", "sampled")), mean_std(acc("final", "sampled")),
+              f"{statistics.mean(walls):.0f} s (max {max(walls):.0f} s)",
+              f"{statistics.mean(r['cpu_seconds'] for r in results):.0f} s",
+              f"{max(r['peak_rss_mb'] for r in results):.0f} MB (max)"]
+    lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--threads", type=int, nargs="+", default=[2], help="trainer.threads of each run")
+    p.add_argument("--control", action="store_true", help="also train each run's matched-compute SFT control")
     p.add_argument("--out", default="/tmp/vlmrl-bench/quickstart")
-    p.add_argument("--jobs", type=int, default=1, help="seeds run at once (each then gets a share of the cores)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each then gets a share of the cores)")
     p.add_argument("--results", default="quickstart_seeds.json", help="file name under benchmarks/results/")
+    p.add_argument("--tables-only", action="store_true", help="print the table of the saved results")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    saved = ROOT / "benchmarks/results" / args.results
+    if args.tables_only:
+        print(table(json.loads(saved.read_text())))
+        return
+    pairs = [(s, t) for t in args.threads for s in args.seeds]
     with ThreadPoolExecutor(args.jobs) as pool:  # --jobs 1: one after another, the way a user runs it
-        results = list(pool.map(lambda s: run_seed(s, args.overrides, Path(args.out)), args.seeds))
-    print("| seed | greedy acc. after SFT | greedy acc. after RL | gain | sampled after SFT | sampled after RL "
-          "| wall time | CPU time | peak RSS |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        s, f = r["start"], r["final"]
-        print(f"| {r['seed']} | {ci(s)} | {ci(f)} | "
-              f"{100 * (f['greedy/accuracy'] - s['greedy/accuracy']):+.1f} | {100 * s['sampled/accuracy']:.1f} | "
-              f"{100 * f['sampled/accuracy']:.1f} | {r['wall_seconds']:.0f} s | {r['cpu_seconds']:.0f} s | "
-              f"{r['peak_rss_mb']:.0f} MB |")
-    col = {k: [r[w][f"{m}/accuracy"] for r in results] for k, (w, m) in
-           {"gs": ("start", "greedy"), "gf": ("final", "greedy"), "ss": ("start", "sampled"),
-            "sf": ("final", "sampled")}.items()}
-    gain = [b - a for a, b in zip(col["gs"], col["gf"], strict=True)]
-    walls = [r["wall_seconds"] for r in results]
-    print(f"| mean ± std | {mean_std(col['gs'])} | {mean_std(col['gf'])} | {mean_std(gain)} | {mean_std(col['ss'])} | "
-          f"{mean_std(col['sf'])} | {statistics.mean(walls):.0f} s (max {max(walls):.0f} s) | "
-          f"{statistics.mean(r['cpu_seconds'] for r in results):.0f} s | "
-          f"{max(r['peak_rss_mb'] for r in results):.0f} MB (max) |")
-    out = ROOT / "benchmarks/results"
-    out.mkdir(parents=True, exist_ok=True)
-    (out / args.results).write_text(json.dumps(results, indent=1))
+        results = list(pool.map(lambda st: run_one(*st, args.overrides, Path(args.out)), pairs))
+        if args.control:
+            results = list(pool.map(add_control, results))
+    print(table(results))
+    saved.parent.mkdir(parents=True, exist_ok=True)
+    saved.write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

@@ -114,11 +114,13 @@ def warm_start(cfg: Config, run_dir: Path, data: Datasets, rewards: list[RewardS
         progress.start("sft", cfg.sft.steps)
         policy.model.train()
         for step in range(1, cfg.sft.steps + 1):
+            t0 = time.perf_counter()
             idx = torch.randint(len(data.sft), (cfg.sft.batch_size,), generator=generator).tolist()
             loss = sft_step(policy, sft_opt, [data.sft[i] for i in idx], cfg.sft.target_template,
                             cfg.data.prompt_template, cfg.trainer.max_grad_norm, cfg.data.max_prompt_length)
             sft_sched.step()
-            logger.log({"loss": loss, "lr": sft_sched.get_last_lr()[0]}, step, "sft")
+            logger.log({"loss": loss, "lr": sft_sched.get_last_lr()[0], "time/update": time.perf_counter() - t0},
+                       step, "sft")
             progress.advance(loss=f"{loss:.3f}")
         progress.end()
     start_eval = run_eval(policy, cfg, data.eval, rewards, progress, "after SFT")
