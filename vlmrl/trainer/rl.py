@@ -7,7 +7,6 @@ losses, KL estimators).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -133,20 +132,11 @@ def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
                  [c for b in batches for c in b.correct])
 
 
-def refill_size(want: int, found: int, generated: int, rounds_left: int) -> int:
-    """Prompts to draw in the next refill round: the groups still missing divided by the share of groups that carried a
-    signal so far this step (at least one group's worth counted, so an all-equal first round still gives a finite
-    share), capped by what the remaining rounds could draw at `want` prompts each. One call of that size finds about
-    what several calls of `want` would, for fewer generation calls; the cap keeps the worst case where it was."""
-    share = max(found, 1) / generated
-    return max(1, min(math.ceil((want - found) / share), want * rounds_left))
-
-
 def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[dict]]) -> Batch:
     """DAPO's dynamic sampling: keep groups whose rewards differ; sample more prompts (up to max_resample_rounds
-    extra generation calls, each sized by `refill_size`) until prompts_per_step such groups are found; use what was
-    found if the cap is hit. Only scored answers count: a failed reward is no difference between answers."""
-    g, want, cap = ctx.rollout.group_size, ctx.rollout.prompts_per_step, ctx.algorithm.max_resample_rounds
+    extra generation calls) until prompts_per_step such groups are found; use what was found if the cap is hit.
+    Only scored answers count: a failed reward is no difference between answers."""
+    g, want = ctx.rollout.group_size, ctx.rollout.prompts_per_step
     kept, found, rounds, generated = [], 0, 0, 0
     batch = first
     while True:
@@ -155,12 +145,12 @@ def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[
         if keep.any():
             kept.append(keep_groups(batch, keep, g))
             found += int(keep.sum())
-        if found >= want or rounds >= cap:
+        if found >= want or rounds >= ctx.algorithm.max_resample_rounds:
             break
         rounds += 1
-        batch = collect_and_score(ctx, draw(refill_size(want, found, generated, cap - rounds + 1)), round_index=rounds)
+        batch = collect_and_score(ctx, draw(want), round_index=rounds)
     stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": min(found, want),
-             "dynamic_sampling/dropped_groups": generated - found, "dynamic_sampling/generated_groups": generated}
+             "dynamic_sampling/dropped_groups": generated - found}
     if not kept:
         first.stats = {**stats, "dynamic_sampling/kept_groups": 0}
         return first  # nothing to learn from; the update sees all-zero advantages
