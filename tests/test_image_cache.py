@@ -89,3 +89,18 @@ def test_vision_attention_batched_over_equal_images_equals_transformers_per_imag
             assert torch.allclose(ref, got, atol=1e-5), cu
     spread = run([0, 64, 128, 192], True)[0]
     assert not torch.allclose(spread, run([0, 192], True)[0], atol=1e-3)  # the images do not attend to each other
+
+
+def test_the_recipe_sets_the_cache_bound(policy):
+    from vlmrl.config import ModelConfig
+    from vlmrl.models.trainable import configure_training
+
+    try:
+        configure_training(policy, ModelConfig(image_cache_mb=3))
+        assert policy.processor.image_cache.max_bytes == 3 * 2**20
+        configure_training(policy, ModelConfig(image_cache_mb=0))
+        policy.processor.image_cache.clear()
+        policy.processor.processed_images([Image.new("RGB", (56, 56))])
+        assert policy.processor.image_cache.bytes == 0  # 0: nothing is kept
+    finally:
+        configure_training(policy, ModelConfig())

@@ -77,6 +77,7 @@ class ModelConfig:
     freeze_projector: bool = False  # full fine-tuning: keep the vision-to-text projector fixed
     gradient_checkpointing: bool = False  # recompute decoder activations in backward: less memory, ~30% slower
     autocast: bool = True  # bf16 autocast of forwards on CUDA (weights stay in `dtype`); CPU always runs `dtype`
+    image_cache_mb: Count = 256  # processed images kept in host memory, least recently used out first (0 = off)
 
 
 @section
