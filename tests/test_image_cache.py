@@ -64,6 +64,17 @@ def test_patch_embedding_as_a_matrix_product_equals_the_convolution():
     assert "forward" not in vars(padded)
 
 
+def copy_module(module, patched: bool):
+    import copy
+
+    out = copy.deepcopy(module)
+    if patched:
+        batched_vision_attention(out)
+    elif "forward" in vars(out):
+        del out.forward
+    return out
+
+
 def test_vision_attention_batched_over_equal_images_equals_transformers_per_image_loop(policy, count_samples):
     from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
 
@@ -87,6 +98,15 @@ def test_vision_attention_batched_over_equal_images_equals_transformers_per_imag
     for cu in ([0, 64, 128, 192], [0, 64, 192]):  # three equal images (one call); two of different sizes (the loop)
         for ref, got in zip(run(cu, False), run(cu, True), strict=True):
             assert torch.allclose(ref, got, atol=1e-5), cu
+    copy = copy_module(attn, patched=True)  # a deep copy (the frozen reference) patched again by its family
+    alone = copy_module(attn, patched=False)
+    with torch.no_grad():
+        attn.qkv.weight.add_(1.0)  # the policy moves on; the copy must not follow, on either path
+        for cu in ([0, 64, 128, 192], [0, 64, 192]):
+            cu = torch.tensor(cu, dtype=torch.int32)
+            expected = alone(x, cu_seqlens=cu, position_embeddings=rope)
+            assert torch.allclose(copy(x, cu_seqlens=cu, position_embeddings=rope), expected, atol=1e-5)
+        attn.qkv.weight.sub_(1.0)
     spread = run([0, 64, 128, 192], True)[0]
     assert not torch.allclose(spread, run([0, 192], True)[0], atol=1e-3)  # the images do not attend to each other
 

@@ -92,16 +92,17 @@ def batched_vision_attention(attn: torch.nn.Module) -> None:
     attention); with the quickstart's 16 images of 64 patches that is 16 small kernels per layer, each mostly
     overhead on CPU. Equal-length images are independent rows of one [images, heads, patches, dim] attention: the
     same math in one kernel. Anything else (images of different sizes, another attention implementation, dropout)
-    takes transformers' own path."""
+    takes transformers' own path: the class's forward on this module. (Not a captured `attn.forward`: a deep copy of
+    the model, such as the frozen reference, carries this closure of the original module until its family patches
+    the copy again, and a captured bound method would run the original's weights.)"""
     from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb_vision
-
-    original = attn.forward
 
     def forward(hidden_states: Tensor, cu_seqlens: Tensor, position_embeddings=None, **kwargs) -> Tensor:
         lengths = cu_seqlens.diff()
         if (attn.config._attn_implementation != "sdpa" or position_embeddings is None or len(lengths) < 2
                 or (attn.training and attn.attention_dropout) or not bool((lengths == lengths[0]).all())):
-            return original(hidden_states, cu_seqlens=cu_seqlens, position_embeddings=position_embeddings, **kwargs)
+            return type(attn).forward(attn, hidden_states, cu_seqlens=cu_seqlens,
+                                      position_embeddings=position_embeddings, **kwargs)
         s, images = hidden_states.shape[0], len(lengths)
         q, k, v = attn.qkv(hidden_states).reshape(s, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         q, k = apply_rotary_pos_emb_vision(q, k, *position_embeddings)
