@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -165,7 +166,7 @@ class Batcher:
     def _generate(self, batch: list[Job], loop: asyncio.AbstractEventLoop) -> None:
         self.calls += 1
         self.batch_answers.append(sum(j.rows for j in batch))
-        decoder = Decoder(batch, self.policy, loop)
+        decoder = Decoder(batch, self.policy, loop, on_cancel=self._count_cancelled)
         try:
             prompts = batch[0].prompt if len(batch) == 1 else \
                 concat_prompt_batches([j.prompt for j in batch], self.policy.pad_token_id)
@@ -176,7 +177,9 @@ class Batcher:
         except Exception as exc:  # the whole call failed: every job of it gets the error, the server goes on
             log.exception("generation failed for a batch of %d requests", len(batch))
             decoder.fail(exc)
-        self.cancelled_answers += decoder.cancelled
+
+    def _count_cancelled(self) -> None:
+        self.cancelled_answers += 1  # as it happens (only the worker thread writes it), so /healthz sees it live
 
 
 @dataclass
@@ -192,12 +195,12 @@ class _Answer:
 class Decoder:
     """generate's `on_token` for one batch: per-row text, stop strings, max_tokens, events to the jobs' queues."""
 
-    def __init__(self, batch: list[Job], policy: Policy, loop: asyncio.AbstractEventLoop):
-        self.tokenizer, self.loop = policy.processor.tokenizer, loop
+    def __init__(self, batch: list[Job], policy: Policy, loop: asyncio.AbstractEventLoop,
+                 on_cancel: Callable[[], None] = lambda: None):
+        self.tokenizer, self.loop, self.on_cancel = policy.processor.tokenizer, loop, on_cancel
         self.eos = set(policy.eos_token_ids)
         self.answers = [_Answer(job, list(range(job.n)) if job.rows == 1 else [r])
                         for job in batch for r in range(job.rows)]
-        self.cancelled = 0  # answers ended because their job was cancelled
 
     def step(self, tokens: Tensor, alive: Tensor) -> Tensor:
         ended = []
@@ -211,7 +214,7 @@ class Decoder:
         job = answer.job
         if job.cancelled:
             answer.done = True  # nobody reads it any more
-            self.cancelled += 1
+            self.on_cancel()
             return
         answer.generated += 1
         if token in self.eos:
