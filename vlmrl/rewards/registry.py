@@ -153,31 +153,37 @@ def _load_file(path: Path) -> Any:
     return module
 
 
-def resolve_reward(name: str) -> RewardFn:
-    """The reward function for `name`: a registered name, "path/to/file.py:function" (a file path, relative to the
-    working directory), or "package.module:function". Unknown names raise ValueError listing REWARDS."""
-    if name in REWARDS:
-        return REWARDS[name]
-    target, sep, attr = name.rpartition(":")
+def resolve_reference(ref: str, what: str, registered: dict[str, Any]) -> Any:
+    """The callable a recipe names: a key of `registered`, "path/to/file.py:function" (a file path, relative to the
+    working directory) or "package.module:function". `what` names it in errors ("reward", "tool", "environment")."""
+    if ref in registered:
+        return registered[ref]
+    target, sep, attr = ref.rpartition(":")
     if not sep or not target or not attr:
         raise ConfigError(
-            f"unknown reward {name!r}; registered rewards: {', '.join(sorted(REWARDS))}; "
+            f"unknown {what} {ref!r}; registered {what}s: {', '.join(sorted(registered))}; "
             "or give 'path/to/file.py:function' or 'package.module:function'"
         )
     if target.endswith(".py") or "/" in target or os.sep in target:
         path = Path(target).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"reward {name!r}: file {target!r} not found (relative to {Path.cwd()})")
+            raise FileNotFoundError(f"{what} {ref!r}: file {target!r} not found (relative to {Path.cwd()})")
         module = _load_file(path)
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as exc:
-            raise ConfigError(f"reward {name!r}: cannot import module {target!r}: {exc}") from exc
+            raise ConfigError(f"{what} {ref!r}: cannot import module {target!r}: {exc}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
-        raise ConfigError(f"reward {name!r}: {target!r} has no callable {attr!r}")
+        raise ConfigError(f"{what} {ref!r}: {target!r} has no callable {attr!r}")
     return fn
+
+
+def resolve_reward(name: str) -> RewardFn:
+    """The reward function for `name`: a registered name, "path/to/file.py:function" (a file path, relative to the
+    working directory), or "package.module:function". Unknown names raise ValueError listing REWARDS."""
+    return resolve_reference(name, "reward", REWARDS)
 
 
 @dataclass
