@@ -74,8 +74,24 @@ class PromptBatch:
                            [self.images_per_prompt[p] for p in prompts], [self.image_tokens[i] for i in images])
 
 
+@dataclass
+class ConversationBatch(PromptBatch):
+    """Whole multi-turn trajectories, one row each: the prompt, then every turn after it (the policy's tokens and the
+    observations with their images, vlmrl.agent), left-padded like prompts. The last `completion_tokens[p]` columns
+    of row p are what came after its prompt; they are the row's completion ids, in order, so the training forward
+    runs the whole row once (every image span in place, positions from the family's own rule) and reads the
+    completion's log-probs off its last columns (`vlmrl.models.forward.conversation_logprobs`)."""
+
+    completion_tokens: list[int] = field(default_factory=list)
+
+    def subset(self, prompts: list[int]) -> ConversationBatch:
+        base = super().subset(prompts)
+        return ConversationBatch(**vars(base), completion_tokens=[self.completion_tokens[p] for p in prompts])
+
+
 def concat_prompt_batches(batches: list[PromptBatch], pad_token_id: int) -> PromptBatch:
-    """One PromptBatch from several (rows in order), re-padded on the left to the longest prompt."""
+    """One PromptBatch from several (rows in order), re-padded on the left to the longest prompt (a
+    ConversationBatch when all of them are)."""
     width = max(b.input_ids.shape[1] for b in batches)
 
     def left_pad(x: Tensor, value: int) -> Tensor:
@@ -84,12 +100,15 @@ def concat_prompt_batches(batches: list[PromptBatch], pad_token_id: int) -> Prom
     keys = dict.fromkeys(k for b in batches for k in b.vision)
     vision = {k: torch.cat([b.vision[k] for b in batches if k in b.vision]) for k in keys}
     vision_rows = {k: [n for b in batches for n in b.vision_rows.get(k, [])] for k in keys}
-    return PromptBatch([i for b in batches for i in b.sample_ids],
-                       torch.cat([left_pad(b.input_ids, pad_token_id) for b in batches]),
-                       torch.cat([left_pad(b.attention_mask, 0) for b in batches]),
-                       torch.cat([left_pad(b.mm_token_type_ids, 0) for b in batches]),
-                       vision, vision_rows, [n for b in batches for n in b.images_per_prompt],
-                       [n for b in batches for n in b.image_tokens])
+    out = PromptBatch([i for b in batches for i in b.sample_ids],
+                      torch.cat([left_pad(b.input_ids, pad_token_id) for b in batches]),
+                      torch.cat([left_pad(b.attention_mask, 0) for b in batches]),
+                      torch.cat([left_pad(b.mm_token_type_ids, 0) for b in batches]),
+                      vision, vision_rows, [n for b in batches for n in b.images_per_prompt],
+                      [n for b in batches for n in b.image_tokens])
+    if all(isinstance(b, ConversationBatch) for b in batches):
+        return ConversationBatch(**vars(out), completion_tokens=[n for b in batches for n in b.completion_tokens])
+    return out
 
 
 @dataclass

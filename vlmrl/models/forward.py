@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from vlmrl.models.batch import PromptBatch, PromptEmbeds
+from vlmrl.models.batch import ConversationBatch, PromptBatch, PromptEmbeds
 
 # float32 logits per chunk (2**25 = 128 MiB): 220 tokens of a 151,936-token vocabulary, the whole batch of a tiny one
 LOGITS_CHUNK_ELEMENTS = 2**25
@@ -131,6 +131,27 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
     return CompletionOutput(logprobs, entropy, hidden if with_hidden else None)
 
 
+def conversation_logprobs(family, conversation: PromptEmbeds, completion_tokens: Tensor, completion_ids: Tensor,
+                          completion_mask: Tensor, temperature: float = 1.0, with_entropy: bool = False,
+                          entropy_grad: bool = False, with_hidden: bool = False,
+                          chunk_tokens: int | None = None) -> CompletionOutput:
+    """Per-token log-probs [N, T] of `completion_ids`, the last `completion_tokens[n]` tokens of conversation row n
+    (a ConversationBatch's embeddings, one row per completion): the whole row goes through the decoder once, and
+    completion token j, at column L - c_n + j, is predicted by the column before it. Only tokens where
+    `completion_mask` is 1 are scored (a trajectory's own tokens; its observations are context, never scored)."""
+    n, t = completion_ids.shape
+    hidden = family.forward_hidden(conversation.embeds, conversation.attention_mask, conversation.position_ids,
+                                   extras=conversation.extras)
+    length = hidden.shape[1]
+    c = completion_tokens.to(hidden.device)
+    cols = (length - 1 - c[:, None] + torch.arange(t, device=hidden.device)[None, :]).clamp(0, length - 1)
+    hidden = hidden.gather(1, cols.unsqueeze(-1).expand(-1, -1, hidden.shape[-1]))
+    chunk = head_chunk_tokens(family) if chunk_tokens is None else chunk_tokens
+    logprobs, entropy = token_scores(family.lm_head, hidden, completion_ids, completion_mask, temperature,
+                                     with_entropy or entropy_grad, entropy_grad, chunk)
+    return CompletionOutput(logprobs, entropy, hidden if with_hidden else None)
+
+
 def sequence_logprobs(policy, prompts: PromptBatch, prompt_index: Tensor, completion_ids: Tensor,
                       completion_mask: Tensor, temperature: float, **kwargs) -> CompletionOutput:
     """`completion_logprobs` for rows of `prompts` chosen by `prompt_index`: each prompt's images go through the
@@ -145,6 +166,9 @@ def sequence_logprobs(policy, prompts: PromptBatch, prompt_index: Tensor, comple
     rows = torch.tensor([local[p] for p in prompt_index.tolist()], device=completion_ids.device)
     family = policy.family
     embeds = family.prompt_embeds(sub)
+    if isinstance(sub, ConversationBatch):  # multi-turn trajectories: each row is its own conversation
+        return conversation_logprobs(family, embeds.select(rows), torch.tensor(sub.completion_tokens)[rows.cpu()],
+                                     completion_ids, completion_mask, temperature, **kwargs)
     # one answer per prompt: nothing to share, unless every forward must run the same modules (FSDP2: then the
     # shared path always, its tail included); transformers turns the KV cache off under gradient checkpointing
     checkpointed = getattr(policy.model, "is_activation_checkpointing", False)
