@@ -199,6 +199,22 @@ class ReplayConfig:
 
 
 @section
+class AgentConfig:
+    # multi-turn agentic rollouts (docs/agentic.md): off while `tools` is empty and `env` is "tools"
+    tools: list[str | dict] = field(default_factory=list)  # built-in names (zoom, crop, calculator) or {name, function, parameters}
+    env: str = "tools"  # the per-sample environment: "tools" (run the tool calls) or "file.py:make_env"
+    max_turns: PositiveInt = 3  # policy turns per episode (the last one must answer)
+    turn_tokens: PositiveInt = 48  # new tokens per turn (a turn without an end token ends the episode, truncated)
+    max_total_tokens: PositiveInt = 512  # tokens after the prompt, policy and observations (over it: truncated)
+    max_images: Count = 4  # images the tools may add to one trajectory (over it: truncated)
+    system_prompt: bool = True  # describe the tools to the model in a system turn (their JSON schemas)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tools) or self.env != "tools"
+
+
+@section
 class TrainerConfig:
     steps: Count = 900  # RL generation steps (0 = SFT warm-start and evaluation only)
     lr: Positive = 3e-4
@@ -266,6 +282,7 @@ class Config:
     control: ControlConfig = field(default_factory=ControlConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -329,6 +346,9 @@ def _device(c: Config) -> str | None:
     kind, _, index = d.partition(":")
     if kind not in ("cpu", "cuda", "mps", "xpu") or (index and not index.isdigit()) or (kind == "cpu" and index):
         return f"model.device={d!r}: expected cpu, cuda, cuda:N, mps or xpu"
+    if c.rollout.engine == "vllm" and c.agent.enabled:
+        return ("rollout.engine=vllm with an agent section: multi-turn rollouts run on the built-in sampler so far; "
+                "set rollout.engine=hf, or remove agent.tools / agent.env")
     if c.rollout.engine == "vllm" and kind != "cuda":
         return f"rollout.engine=vllm runs on GPUs: set model.device=cuda (got {d!r}), or rollout.engine=hf"
     return None
@@ -388,7 +408,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("model.tiny",), "`model.tiny`: `hidden_size / num_heads` even and >= 6; `num_heads` a multiple of "
          "`num_kv_heads`; `vision_dim` a multiple of `vision_heads`", _tiny_shapes),
     Rule(("model.device", "rollout.engine"), "`model.device` is cpu, cuda, cuda:N, mps or xpu; `rollout.engine: "
-         "vllm` needs cuda", _device),
+         "vllm` needs cuda and no `agent` section", _device),
     Rule(("algorithm.kl_target", "algorithm.beta"), "`algorithm.kl_target` needs `beta > 0` (its start value)",
          _kl_target),
     Rule(("replay.weight", "replay.data"), "`replay.weight > 0` needs `replay.data` or `data.sft`", _replay),

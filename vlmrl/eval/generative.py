@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from vlmrl.agent.rollout import agent_metrics
 from vlmrl.eval.metrics import (
     ReflectionCounts,
     accuracy_interval,
@@ -83,12 +84,15 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
              batch_size: int = 64, template: str = "{problem}", max_prompt_length: int | None = None,
              rewards: list[RewardSpec] | None = None, seed: int = 0,
              progress: Callable[..., None] | None = None, n: int = 1, ks: Sequence[int] = (),
-             reflection_words: Sequence[str] | None = None, backtracking_words: Sequence[str] | None = None) -> dict:
+             reflection_words: Sequence[str] | None = None, backtracking_words: Sequence[str] | None = None,
+             agent=None) -> dict:
     """`n` answers per held-out sample at `temperature` (0 = greedy, which always takes n = 1: its answers are equal).
 
     `batch_size` counts answers per generation call (prompts per call = batch_size // n). `ks`: the pass@k values to
     report (pass@1 always; k > n is skipped). `reflection_words` / `backtracking_words`: the marker word lists (None:
-    the defaults in vlmrl.eval.metrics). Returns {"metrics": flat scalars, "per_task": {task: metrics},
+    the defaults in vlmrl.eval.metrics). With `agent` (vlmrl.agent.AgentSpec) each answer is a multi-turn episode
+    with tools; the metrics then add its tool use (tool/call_rate, tool/invalid_rate, agent/turns_per_episode, ...)
+    and each record its turns. Returns {"metrics": flat scalars, "per_task": {task: metrics},
     "reflection" and "backtracking": {"ratios", "counts", "words"}, "records": one per sample, in sample order}.
     """
     if not samples:
@@ -103,15 +107,21 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
     markers = {name: ReflectionCounts(words) for name, words in marker_sets(reflection_words,
                                                                             backtracking_words).items()}
     count_tokens = token_counter(policy.processor.tokenizer)
-    records, failed, component_failures = [], 0, {}
+    records, failed, component_failures, episodes = [], 0, {}, []
     step = max(1, batch_size // n)
     for start in range(0, len(samples), step):
         chunk = samples[start:start + step]
         prompts = make_prompts(policy, chunk, template, max_prompt_length)
-        rollout = generate(policy, prompts, n, max_new_tokens, temperature, generator=generator)
+        if agent is None:
+            rollout = generate(policy, prompts, n, max_new_tokens, temperature, generator=generator)
+        else:  # each prompt's own stream (from the seed and its position): the same answers in any batch layout
+            seeds = [(seed * 1_000_003 + start + i) % (2**63 - 1) for i in range(len(chunk))]
+            rollout = agent.rollout(policy, prompts, chunk, n, temperature, prompt_seeds=seeds).rollout
+            episodes += rollout.columns["turns"]
         columns = reward_columns(chunk, rollout.prompt_index)
         columns["completion_truncated"] = rollout.truncated.tolist()
         columns["completion_lengths"] = rollout.lengths.tolist()
+        columns.update(rollout.columns)
         ok = correctness(rollout.texts, columns)
         flags = {name: counts.add(rollout.texts, ok) for name, counts in markers.items()}
         totals, components = None, {}
@@ -136,12 +146,17 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
                             "reasoning_tokens": chains[rows], "vote": majority_vote(keys, good),
                             "rewards": None if totals is None else totals[rows],
                             "components": {k: v[rows] for k, v in components.items()}})
+            if agent is not None:  # the turns of the first answer, images as counts (records are JSON)
+                records[-1]["turns"] = [{k: (len(v) if k == "images" else v) for k, v in t.items()}
+                                        for t in rollout.columns["turns"][i * n]]
         if progress:
             done = sum(sum(r["answers_correct"]) for r in records) / (len(records) * n)
             progress(len(chunk), acc=f"{done:.2f}")  # live accuracy for a progress bar
     policy.model.train(was_training)
     metrics = summarize(records, ks)
     metrics["samples_per_prompt"] = n
+    if agent is not None:
+        metrics.update(agent_metrics({"turns": episodes}))
     if rewards:
         metrics["reward_failed_samples"] = float(failed)
         metrics.update({f"reward/{k}/failures": float(v) for k, v in component_failures.items()})

@@ -200,12 +200,29 @@ def gallery_html(run: Run, out: Path) -> str:
                     "note": "; ".join(filter(None, (feedback_text(k, v[j]) for k, v in (e.get("details") or {}).items()
                                                     if j < len(v))))}
                    for j, (text, reward) in enumerate(zip(e.get("answers", []), e.get("rewards", []), strict=False))]
-        cards.append(_card(f"{label}: step {e.get('step')}", img, e.get("problem", ""), e.get("solution", ""),
-                           answers_table(answers, notes=bool(e.get("details")))))
+        table = answers_table(answers, notes=bool(e.get("details"))) + turns_html(run, e, out)
+        cards.append(_card(f"{label}: step {e.get('step')}", img, e.get("problem", ""), e.get("solution", ""), table))
     if not cards:
         return "<p>No rollout gallery in this run (trainer.log_rollouts_every = 0).</p>"
     return f"<p>Sampled answers for one training prompt, from run <code>{html.escape(run.name)}</code>.</p>" + \
         "".join(cards)
+
+
+def turns_html(run: Run, entry: dict, out: Path, answers: int = 2) -> str:
+    """The first `answers` episodes of a multi-turn gallery entry: each turn's message, its tool calls and failures,
+    and the images the tools returned ("" for a single-turn entry)."""
+    parts = []
+    for a, episode in enumerate((entry.get("turns") or [])[:answers]):
+        rows = []
+        for i, t in enumerate(episode):
+            calls = ", ".join(t.get("tool_calls") or []) or "none"
+            errors = f" (failed: {', '.join(t['errors'])})" if t.get("errors") else ""
+            imgs = "".join(_image(run, ref, out, "gallery", f"{run.name}-{Path(str(ref)).stem}",
+                                  f"tool image, answer {a + 1}, turn {i + 1}") for ref in t.get("images") or [])
+            rows.append(f"<li>turn {i + 1}: <code>{html.escape(str(t.get('text', '')))}</code> "
+                        f"&middot; tools: {html.escape(calls)}{html.escape(errors)}<br>{imgs}</li>")
+        parts.append(f"<p><b>Episode of answer {a + 1}</b></p><ol>{''.join(rows)}</ol>")
+    return "".join(parts)
 
 
 def task_anchor(task: str) -> str:

@@ -30,7 +30,7 @@ SPECIAL_TOKENS = [
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, special_tokens: list[str] | None = None,
                     eos_token: str = "<|im_end|>", pad_token: str = "<|endoftext|>", bos_token: str | None = None,
-                    chat_template: str = CHAT_TEMPLATE):
+                    chat_template: str = CHAT_TEMPLATE, extra_tokens: Iterable[str] = ()):
     """A byte-level BPE trained on `texts`, wrapped as a `PreTrainedTokenizerFast`; special tokens default to
     Qwen's (other families pass theirs, see `vlmrl.models.tiny_families`)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -59,7 +59,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, special_tokens:
         **extra,
     )
     # Answer and reasoning tags as single tokens: short answers, and a format the tiny model learns in few steps.
-    fast.add_tokens(["<think>", "</think>", "<answer>", "</answer>"])
+    fast.add_tokens(["<think>", "</think>", "<answer>", "</answer>", *extra_tokens])
     fast.chat_template = chat_template
     return fast
 
@@ -108,9 +108,11 @@ def tiny_qwen2vl_config(tokenizer, cfg: TinyModelConfig):
     )
 
 
-def build_tiny_vlm(out_dir: str | Path, texts: Iterable[str], cfg: TinyModelConfig | None = None, seed: int = 0) -> Path:
+def build_tiny_vlm(out_dir: str | Path, texts: Iterable[str], cfg: TinyModelConfig | None = None, seed: int = 0,
+                   extra_tokens: Iterable[str] = ()) -> Path:
     """Build the embedded VLM (tokenizer, image processor, randomly initialised Qwen2-VL) and save it to `out_dir`.
 
+    `extra_tokens` become single tokens too (the tool-call tags of agentic runs, as in Qwen's own tokenizer).
     The result is a folder that `load_policy` (and `Qwen2VLForConditionalGeneration.from_pretrained`) load.
     """
     from transformers import Qwen2VLForConditionalGeneration, Qwen2VLImageProcessorPil
@@ -118,7 +120,7 @@ def build_tiny_vlm(out_dir: str | Path, texts: Iterable[str], cfg: TinyModelConf
     cfg = cfg or TinyModelConfig()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tokenizer(texts, cfg.vocab_size)
+    tokenizer = train_tokenizer(texts, cfg.vocab_size, extra_tokens=extra_tokens)
     image_processor = Qwen2VLImageProcessorPil(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
     config = tiny_qwen2vl_config(tokenizer, cfg)
     with torch.random.fork_rng(devices=[]):

@@ -2,7 +2,7 @@
 
 Importing this package registers the built-in rewards: accuracy, format, counting, length (verifiable.py); iou, giou,
 detection (boxes.py); classification (classification.py); exact_match, token_f1, bleu, rouge_l (textmatch.py);
-keywords, process (reasoning.py); judge (judge.py).
+keywords, process (reasoning.py); judge (judge.py); tool_use (tool_use.py).
 """
 
 from vlmrl.rewards.boxes import box_giou, box_iou, detection_reward, giou_reward, iou_reward
@@ -24,6 +24,7 @@ from vlmrl.rewards.registry import (
     resolve_reward,
 )
 from vlmrl.rewards.textmatch import bleu_reward, exact_match_reward, rouge_l_reward, token_f1_reward
+from vlmrl.rewards.tool_use import tool_use_reward
 from vlmrl.rewards.verifiable import (
     accuracy_reward,
     counting_reward,
@@ -41,6 +42,7 @@ __all__ = [
     "RewardFn",
     "RewardOutput",
     "RewardSpec",
+    "tool_use_reward",
     "accuracy_reward",
     "bleu_reward",
     "box_giou",

@@ -9,12 +9,12 @@ logs the gap between the two (rollout/logprob_gap_*).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from vlmrl.models.batch import PromptBatch
+from vlmrl.models.batch import ConversationBatch, PromptBatch, concat_prompt_batches
 from vlmrl.models.policy import Policy
 
 OnToken = Callable[[Tensor, Tensor], Tensor | None]  # (tokens [N], alive [N]) -> rows to end now, or None
@@ -30,17 +30,28 @@ class Rollout:
     logprobs: Tensor  # [N, T] sampling-time log-probs (0 on padding)
     truncated: Tensor  # [N] bool: hit max_new_tokens without an end token
     texts: list[str]  # decoded completions, end token stripped
+    # multi-turn trajectories (vlmrl.agent): row n's whole conversation, whose last tokens are completion n (the
+    # policy's turns, masked in, and the observations, masked out); every log-prob pass then runs on it
+    context: ConversationBatch | None = None
+    columns: dict[str, list] = field(default_factory=dict)  # per-row columns for the rewards (turns, tool calls)
 
     @property
     def lengths(self) -> Tensor:
         return self.completion_mask.sum(-1)
+
+    def scoring_inputs(self, prompts: PromptBatch) -> tuple[PromptBatch, Tensor]:
+        """What a log-prob pass over these rows runs on: (prompts, prompt_index), or each row's own conversation."""
+        if self.context is None:
+            return prompts, self.prompt_index
+        return self.context, torch.arange(len(self.texts))
 
     def select(self, rows: Tensor, prompt_index: Tensor | None = None) -> Rollout:
         """Rows `rows` (e.g. the groups DAPO's dynamic sampling keeps), with `prompt_index` replaced if given."""
         keep = rows.tolist()
         return Rollout(self.prompt_index[rows] if prompt_index is None else prompt_index, self.completion_ids[rows],
                        self.completion_mask[rows], self.logprobs[rows], self.truncated[rows],
-                       [self.texts[i] for i in keep])
+                       [self.texts[i] for i in keep], None if self.context is None else self.context.subset(keep),
+                       {k: [v[i] for i in keep] for k, v in self.columns.items()})
 
 
 def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
@@ -54,11 +65,14 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
     for r in rollouts:
         offsets.append(total)
         total += int(r.prompt_index.max()) + 1 if len(r.prompt_index) else 0
+    contexts = [r.context for r in rollouts]
+    context = concat_prompt_batches(contexts, pad_token_id) if all(c is not None for c in contexts) else None
     return Rollout(torch.cat([r.prompt_index + o for r, o in zip(rollouts, offsets, strict=True)]),
                    torch.cat([right_pad(r.completion_ids, pad_token_id) for r in rollouts]),
                    torch.cat([right_pad(r.completion_mask, 0) for r in rollouts]),
                    torch.cat([right_pad(r.logprobs, 0.0) for r in rollouts]),
-                   torch.cat([r.truncated for r in rollouts]), [t for r in rollouts for t in r.texts])
+                   torch.cat([r.truncated for r in rollouts]), [t for r in rollouts for t in r.texts], context,
+                   {k: [v for r in rollouts for v in r.columns[k]] for k in rollouts[0].columns})
 
 
 def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,

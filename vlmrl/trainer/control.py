@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from vlmrl.agent import AgentSpec
 from vlmrl.config import Config
 from vlmrl.data import build_dataset
 from vlmrl.errors import ConfigError, PathError, TrainingError
@@ -107,6 +108,7 @@ def sft_control(cfg: Config, start: str | Path, seconds: float, out_dir: Path, e
     seed_everything(cfg.trainer.seed)
     d, c, t = cfg.data, cfg.control, cfg.trainer
     policy = load_checkpoint_policy(cfg, start)
+    agent = AgentSpec.from_config(cfg.agent, policy.processor)
     sft_set, _ = build_dataset(d.sft, "train", d.seed + 1, d.on_error)  # the labelled set the SFT start saw
     if not sft_set:
         raise ConfigError("control sft: data.sft is empty; the control needs the labelled set")
@@ -125,7 +127,7 @@ def sft_control(cfg: Config, start: str | Path, seconds: float, out_dir: Path, e
         t0 = time.perf_counter()
         idx = torch.randint(len(sft_set), (c.batch_size,), generator=generator).tolist()
         loss = sft_step(policy, optimizer, [sft_set[i] for i in idx], cfg.sft.target_template, d.prompt_template,
-                        t.max_grad_norm, d.max_prompt_length)
+                        t.max_grad_norm, d.max_prompt_length, agent)
         dt = time.perf_counter() - t0
         spent, step = spent + dt, step + 1
         logger.log({"loss": loss, "time/update": dt}, step, "sft")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from vlmrl.agent import AgentSpec
 from vlmrl.config import Config
 from vlmrl.data import build_dataset
 from vlmrl.errors import ConfigError
@@ -161,9 +162,11 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
             dpo = OfflineDPO(policy, reference_policy, pairs, cfg)
         train_set = pairs
     curriculum, replay = wants_curriculum(cfg.curriculum), cfg.replay.weight > 0
-    if dist_info.active and (algo.advantage == "gae" or offline_dpo or algo.dynamic_sampling or curriculum or replay):
+    if dist_info.active and (algo.advantage == "gae" or offline_dpo or algo.dynamic_sampling or curriculum or replay
+                             or cfg.agent.enabled):
         raise ConfigError("trainer.distributed supports the GRPO family, RLOO, REINFORCE++, ReMax and online DPO so "
-                         "far; run critics, offline DPO, dynamic sampling, a curriculum and replay in one process")
+                         "far; run critics, offline DPO, dynamic sampling, a curriculum, replay and agents (the "
+                         "agent section) in one process")
     if offline_dpo and (curriculum or replay):
         raise ConfigError("data.preferences (offline DPO) trains on fixed pairs: curriculum and replay apply to RL "
                           "prompts only; remove the curriculum/replay sections or data.preferences")
@@ -195,13 +198,13 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     shard_start, shard_stop = shard(cfg.rollout.prompts_per_step, dist_info)
     ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, algo, t, d.prompt_template,
                       d.max_prompt_length, reference, critic, generator, prompt_offset=shard_start, dist=dist_info,
-                      forward=forward)
+                      forward=forward, agent=AgentSpec.from_config(cfg.agent, policy.processor))
     if curriculum:
         position = {id(sample): i for i, sample in enumerate(train_set)}
         ctx.observe = lambda sample, correct: stream.observe(position[id(sample)], correct)
     if replay:
         ctx.replay = Replay(data.replay, cfg.replay.weight, cfg.replay.every, cfg.replay.batch_size,
-                            cfg.sft.target_template, d.prompt_template, d.max_prompt_length)
+                            cfg.sft.target_template, d.prompt_template, d.max_prompt_length, ctx.agent)
     if resume_state is not None:
         ctx.kl.load(resume_state.get("kl"))
     if resume_state is not None and sharded and (Path(resume) / "sharded").exists():

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 from vlmrl.config import Config
-from vlmrl.data import TASKS
+from vlmrl.data import TASKS, zoom
 from vlmrl.errors import ConfigError
 from vlmrl.models.batch import PromptTooLongError
 
@@ -25,12 +25,21 @@ def _label(template: str, sample: dict) -> str:
                           f"{type(e).__name__}: {e}") from None
 
 
+def uses_tools(cfg: Config, *splits: list[dict]) -> bool:
+    """An agentic run, or data with demonstrations of tool use (the no-tool arm of the same task counts, so both arms
+    get the same tokenizer)."""
+    return cfg.agent.enabled or any("demonstration" in s for samples in splits for s in samples[:1])
+
+
 def user_texts(cfg: Config, *splits: list[dict]) -> list[str]:
     """Prompt and labelled-answer texts of the samples that come from user files (built-in tasks' text is already
-    in the tiny tokenizer's corpus)."""
+    in the tiny tokenizer's corpus), demonstrations of tool use, and with `agent` on the tool-call scaffolding."""
     texts = []
+    if uses_tools(cfg, *splits):
+        texts += zoom.vocabulary()  # the tool-response wrapper, the zoom task's question and tool calls
     for samples in splits:
         for s in samples:
+            texts += s.get("demonstration") or []
             if s.get("task") in TASKS:
                 continue
             texts.append(cfg.data.prompt_template.format(**s))
@@ -80,8 +89,28 @@ def check_prompt_lengths(policy, cfg: Config, *splits: list[dict], batch_size: i
     return longest
 
 
+def check_demonstration_lengths(policy, cfg: Config, *splits: list[dict]) -> int:
+    """With `agent` on: ConfigError naming the longest demonstration message when it does not fit in
+    agent.turn_tokens (a turn that cannot end ends its episode); returns its length in tokens."""
+    if not cfg.agent.enabled:
+        return 0
+    messages = [(s, m) for split in splits for s in split for m in s.get("demonstration") or []]
+    if not messages:
+        return 0
+    lengths = [len(ids) + 1 for ids in policy.processor.tokenizer([m for _, m in messages],
+                                                                   add_special_tokens=False)["input_ids"]]
+    longest = max(range(len(messages)), key=lengths.__getitem__)
+    if lengths[longest] > cfg.agent.turn_tokens:
+        sample, message = messages[longest]
+        raise ConfigError(f"agent.turn_tokens={cfg.agent.turn_tokens} is too short for the demonstrations: sample "
+                          f"{sample.get('id')!r}'s message {message!r} takes {lengths[longest]} tokens with the "
+                          f"end-of-turn token; set agent.turn_tokens={lengths[longest]} or more")
+    return lengths[longest]
+
+
 def check_data_fits(policy, cfg: Config, data) -> None:
-    """Both length checks on every split of the job's `Datasets`, before the first training step."""
+    """The length checks on every split of the job's `Datasets`, before the first training step."""
     splits = (data.train, data.sft, data.eval, data.replay)
     check_label_lengths(policy, cfg, *splits)
+    check_demonstration_lengths(policy, cfg, *splits)
     check_prompt_lengths(policy, cfg, *splits)

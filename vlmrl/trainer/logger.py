@@ -51,6 +51,11 @@ class MetricsLogger:
             for entry in entries:
                 if hasattr(entry.get("image"), "save"):
                     entry = {**entry, "image": save_gallery_image(entry["image"], self.run_dir, entry)}
+                if entry.get("turns"):  # multi-turn: every tool image as gallery/step<N>-<id>-a<answer>-t<turn>-<k>.png
+                    entry = {**entry, "turns": [
+                        [{**t, "images": [save_gallery_image(im, self.run_dir, entry, f"-a{a}-t{i}-{k}")
+                                          for k, im in enumerate(t.get("images") or [])]}
+                         for i, t in enumerate(episode)] for a, episode in enumerate(entry["turns"])]}
                 f.write(json.dumps(entry, default=str) + "\n")  # a custom reward's details may be any object
 
     def close(self) -> None:
@@ -150,9 +155,9 @@ def _rewind_tensorboard(folder: Path, keep) -> int:
     return total - len(values)
 
 
-def save_gallery_image(image, run_dir: Path, entry: dict) -> str:
+def save_gallery_image(image, run_dir: Path, entry: dict, suffix: str = "") -> str:
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", str(entry.get("id", "image")))
-    rel = f"gallery/step{entry.get('step', 0)}-{name}.png"
+    rel = f"gallery/step{entry.get('step', 0)}-{name}{suffix}.png"
     (run_dir / "gallery").mkdir(exist_ok=True)
     image.save(run_dir / rel)
     return rel

@@ -20,11 +20,12 @@ class Replay:
     """Labelled samples and how much of their SFT loss each RL optimizer step adds."""
 
     def __init__(self, samples: list[dict], weight: float, every: int, batch_size: int, target_template: str,
-                 template: str, max_prompt_length: int | None):
+                 template: str, max_prompt_length: int | None, agent=None):
         if not samples:
             raise ValueError("Replay: no labelled samples (replay.data or data.sft is empty)")
         self.samples, self.weight, self.every, self.batch_size = samples, weight, every, batch_size
         self.target_template, self.template, self.max_prompt_length = target_template, template, max_prompt_length
+        self.agent = agent  # vlmrl.agent.AgentSpec: samples with a `demonstration` replay it (vlmrl.agent.demos)
 
     def due(self, step: int) -> bool:
         return self.weight > 0 and step % self.every == 0
@@ -35,6 +36,7 @@ class Replay:
 
     def backward(self, policy: Policy, generator: torch.Generator) -> float:
         """Accumulate weight x grad(SFT loss) of a fresh batch into the parameters' gradients; returns the SFT loss."""
-        loss = sft_loss(policy, self.draw(generator), self.target_template, self.template, self.max_prompt_length)
+        loss = sft_loss(policy, self.draw(generator), self.target_template, self.template, self.max_prompt_length,
+                        self.agent)
         (self.weight * loss).backward()
         return loss.item()

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from vlmrl.agent.rollout import agent_metrics
 from vlmrl.algorithms.advantages import ADVANTAGES, nonzero_variance_groups, zero_variance_fraction
 from vlmrl.algorithms.kl import kl_estimate
 from vlmrl.eval.generative import correctness
@@ -66,6 +67,13 @@ def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None
     r = ctx.rollout
     seeds = [prompt_seed(ctx.trainer.seed, ctx.step, round_index, ctx.prompt_offset + i) for i in range(len(samples))]
     temperature = r.temperature if temperature is None else temperature
+    if ctx.agent is not None:  # multi-turn: the rollout's context holds each trajectory's whole conversation
+        ctx.policy.model.eval()
+        with gathered(ctx.forward):
+            out = ctx.agent.rollout(ctx.policy, prompts, samples, group_size or r.group_size, temperature, r.top_k,
+                                    r.top_p, seeds)
+        ctx.policy.model.train()
+        return prompts, out.rollout
     if ctx.engine is not None:
         return prompts, ctx.engine.generate(ctx.policy, prompts, samples, group_size or r.group_size,
                                             r.max_new_tokens, temperature, r.top_k, r.top_p, seeds)
@@ -84,6 +92,7 @@ def score(ctx: StepContext, samples: list[dict], rollout: Rollout) -> tuple[Rewa
     columns = reward_columns(samples, rollout.prompt_index)
     columns["completion_truncated"] = rollout.truncated.tolist()
     columns["completion_lengths"] = rollout.lengths.tolist()
+    columns.update(rollout.columns)  # multi-turn: turns, tool_calls, tool_failures, num_turns, env_reward
     return compute_rewards(ctx.rewards, rollout.texts, columns), columns
 
 
@@ -174,7 +183,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     the greedy one has advantage 0 (k1 is the estimator whose score-function gradient is the KL's; see kl.py)."""
     algo, rollout, temp = ctx.algorithm, batch.rollout, ctx.rollout.temperature
     mask = rollout.completion_mask
-    args = (batch.prompts, rollout.prompt_index, rollout.completion_ids, mask, temp)
+    args = (*rollout.scoring_inputs(batch.prompts), rollout.completion_ids, mask, temp)
     chunks = {"micro_batch": ctx.trainer.micro_batch, "micro_batch_tokens": ctx.trainer.micro_batch_tokens}
     beta = ctx.kl.beta  # fixed, or adapted after every step (algorithm.kl_target)
     reward_kl = algo.kl_in == "reward" and beta > 0 and ctx.reference is not None
@@ -191,7 +200,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
             values = ctx.critic.values(*args, **chunks)
         if reward_kl and batch.greedy is not None:  # ReMax: the greedy baseline's own KL, summed over its tokens
             g = batch.greedy
-            gargs = (batch.prompts, g.prompt_index, g.completion_ids, g.completion_mask, temp)
+            gargs = (*g.scoring_inputs(batch.prompts), g.completion_ids, g.completion_mask, temp)
             greedy_kl = (kl_estimate(score_batch(ctx.policy, *gargs, **chunks).logprobs,
                                      ctx.reference.logprobs(*gargs, **chunks), algo.kl_estimator)
                          * g.completion_mask).sum(-1)
@@ -211,7 +220,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
         baseline_rewards=baseline, scored=scored, reduce=rank_sum(ctx))
     loss_mask = mask * (~rollout.truncated).to(mask.device).long()[:, None] if algo.overlong_filter else mask
     loss_mask = loss_mask * scored.long()[:, None]  # a failed reward: no loss (its advantage is 0 too)
-    return Trajectories(rollout.prompt_index, rollout.completion_ids, loss_mask, old, ref, adv.advantages, rewards,
+    return Trajectories(args[1], rollout.completion_ids, loss_mask, old, ref, adv.advantages, rewards,
                         values, adv.returns, rollout.logprobs, scored)
 
 
@@ -246,7 +255,7 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
         batch = dynamic_sampling(ctx, batch, draw)
     t1 = time.perf_counter()
     traj = build_trajectories(ctx, batch)
-    metrics = update(ctx, batch.prompts, traj)
+    metrics = update(ctx, batch.rollout.scoring_inputs(batch.prompts)[0], traj)
     if traj.old_logprobs is not None:  # recomputed before the update: the sampler's gap to them (else the update's)
         total, largest, count = logprob_gap(batch.rollout.logprobs, traj.old_logprobs, batch.rollout.completion_mask)
         metrics["rollout/logprob_gap_mean"] = total / max(count, 1)
@@ -258,6 +267,8 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
     g = ctx.rollout.group_size
     rollout = first.rollout  # accuracy and lengths describe the i.i.d. sample, before any filtering
     correct = first.correct
+    if "turns" in rollout.columns:  # multi-turn: tool use, failures, turns and images per episode
+        metrics.update(agent_metrics(rollout.columns))
     metrics.update(first.rewards.metrics())
     metrics.update(batch.stats)
     metrics.update(pass_rate_histogram(batch.correct, g))
@@ -290,4 +301,7 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
                "components": {k: v[:g] for k, v in first.rewards.components.items()},
                "details": {k: v[:g] for k, v in getattr(first.rewards, "details", {}).items()},  # judge feedback
                "image": (s.get("images") or [None])[0]}  # the logger saves it as RUN_DIR/gallery/*.png
+    if "turns" in rollout.columns:  # multi-turn: each answer's turns, their tool calls and the images tools returned
+        gallery["turns"] = [[{k: t[k] for k in ("text", "tool_calls", "errors", "images")} for t in episode]
+                            for episode in rollout.columns["turns"][:g]]
     return metrics, gallery

@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vlmrl.agent import AgentSpec
+from vlmrl.agent.tools import TOOL_TOKENS
 from vlmrl.config import Config, save_config, to_dict, validate
 from vlmrl.data import vocabulary_texts
 from vlmrl.eval.generative import evaluate
@@ -27,7 +29,7 @@ from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
 from vlmrl.trainer.distributed import NullLogger, barrier, broadcast_object, gathered, init_distributed
 from vlmrl.trainer.inputs import Datasets, load_datasets
 from vlmrl.trainer.job import RLJob, lr_lambda, prepare_rl, start_vllm
-from vlmrl.trainer.limits import check_data_fits, user_texts
+from vlmrl.trainer.limits import check_data_fits, user_texts, uses_tools
 from vlmrl.trainer.logger import MetricsLogger, rewind_logs
 from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_decisions
 from vlmrl.trainer.resume import check_resume, find_resume_point, rewind_checkpoints
@@ -71,7 +73,8 @@ def build_policy(cfg: Config, run_dir: Path, dist_info=None, data: Datasets | No
         if dist_info is None or dist_info.is_main:
             texts = vocabulary_texts(cfg.data.seed)
             texts += user_texts(cfg, data.train, data.sft, data.eval) if data is not None else []
-            build_tiny_vlm(name, texts, m.tiny, seed=cfg.trainer.seed)
+            tools = data is not None and uses_tools(cfg, data.train, data.sft, data.eval)
+            build_tiny_vlm(name, texts, m.tiny, seed=cfg.trainer.seed, extra_tokens=TOOL_TOKENS if tools else ())
         if dist_info is not None:
             barrier(dist_info)
     device = m.device if dist_info is None else dist_info.device  # cuda:LOCAL_RANK under torchrun
@@ -85,14 +88,17 @@ def run_eval(policy: Policy, cfg: Config, samples: list[dict], rewards, progress
     out, evaluations = {}, []
     for mode, temperature in (("greedy", 0.0), ("sampled", cfg.eval.sampled_temperature)):
         progress.start(f"eval {label} ({mode})", len(samples))
-        res = evaluate(policy, samples, temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens,
+        res = evaluate(policy, samples, agent=AgentSpec.from_config(cfg.agent, policy.processor),
+                       temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens,
                        batch_size=cfg.eval.batch_size, template=cfg.data.prompt_template,
                        max_prompt_length=cfg.data.max_prompt_length, rewards=rewards, seed=cfg.trainer.seed,
                        progress=progress.advance, n=cfg.eval.samples, ks=cfg.eval.pass_k,
                        reflection_words=cfg.eval.reflection_words, backtracking_words=cfg.eval.backtracking_words)
         progress.end()
-        warning = truncation_warning(res["metrics"].get("truncated_share", 0.0), "eval.max_new_tokens",
-                                     cfg.eval.max_new_tokens, f"eval {label} ({mode})")
+        key, budget = ("agent.turn_tokens", cfg.agent.turn_tokens) if cfg.agent.enabled else \
+            ("eval.max_new_tokens", cfg.eval.max_new_tokens)
+        warning = truncation_warning(res["metrics"].get("truncated_share", 0.0), key, budget,
+                                     f"eval {label} ({mode})")
         if warning:
             progress.message(f"warning: {warning}")
         out.update({f"{mode}/{k}": v for k, v in res["metrics"].items()})
@@ -108,6 +114,7 @@ def warm_start(cfg: Config, run_dir: Path, data: Datasets, rewards: list[RewardS
     configured) and the start's evaluation."""
     policy = build_policy(cfg, run_dir, dist_info, data)
     check_data_fits(policy, cfg, data)  # every label and prompt fits its budget, before any training step
+    agent = AgentSpec.from_config(cfg.agent, policy.processor)  # multi-turn: demonstrations replay their tool calls
     if cfg.sft.steps > 0:
         sft_opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.sft.lr)
         sft_sched = torch.optim.lr_scheduler.LambdaLR(sft_opt, lr_lambda(cfg.sft.lr_schedule, 0, cfg.sft.steps))
@@ -117,7 +124,7 @@ def warm_start(cfg: Config, run_dir: Path, data: Datasets, rewards: list[RewardS
             t0 = time.perf_counter()
             idx = torch.randint(len(data.sft), (cfg.sft.batch_size,), generator=generator).tolist()
             loss = sft_step(policy, sft_opt, [data.sft[i] for i in idx], cfg.sft.target_template,
-                            cfg.data.prompt_template, cfg.trainer.max_grad_norm, cfg.data.max_prompt_length)
+                            cfg.data.prompt_template, cfg.trainer.max_grad_norm, cfg.data.max_prompt_length, agent)
             sft_sched.step()
             logger.log({"loss": loss, "lr": sft_sched.get_last_lr()[0], "time/update": time.perf_counter() - t0},
                        step, "sft")

@@ -29,19 +29,27 @@ def target_ids(policy: Policy, texts: list[str]) -> tuple[Tensor, Tensor]:
 
 
 def sft_loss(policy: Policy, samples: list[dict], target_template: str, template: str = "{problem}",
-             max_prompt_length: int | None = None) -> Tensor:
-    """Mean negative log-likelihood per target token."""
+             max_prompt_length: int | None = None, agent=None) -> Tensor:
+    """Mean negative log-likelihood per target token. With `agent` (vlmrl.agent.AgentSpec), samples that carry a
+    `demonstration` are trained on it, replayed through their environment (vlmrl.agent.demos): every message of
+    the policy is a target, the observations between them are context."""
     prompts = make_prompts(policy, samples, template, max_prompt_length)
-    ids, mask = target_ids(policy, [target_template.format(**s) for s in samples])
     device = policy.model.device
+    if agent is not None and all("demonstration" in s for s in samples):
+        from vlmrl.agent.demos import demonstration_batch
+
+        prompts, ids, mask = demonstration_batch(policy, agent, prompts, samples)
+    else:
+        ids, mask = target_ids(policy, [target_template.format(**s) for s in samples])
     logp = sequence_logprobs(policy, prompts, torch.arange(len(samples)), ids.to(device), mask.to(device), 1.0).logprobs
     return -(logp.sum() / mask.sum())
 
 
 def sft_step(policy: Policy, optimizer: torch.optim.Optimizer, samples: list[dict], target_template: str,
-             template: str = "{problem}", max_grad_norm: float = 1.0, max_prompt_length: int | None = None) -> float:
+             template: str = "{problem}", max_grad_norm: float = 1.0, max_prompt_length: int | None = None,
+             agent=None) -> float:
     optimizer.zero_grad(set_to_none=True)
-    loss = sft_loss(policy, samples, target_template, template, max_prompt_length)
+    loss = sft_loss(policy, samples, target_template, template, max_prompt_length, agent)
     loss.backward()
     torch.nn.utils.clip_grad_norm_([p for p in policy.model.parameters() if p.requires_grad], max_grad_norm)
     optimizer.step()

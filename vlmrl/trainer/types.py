@@ -44,6 +44,7 @@ class StepContext:
     observe: Callable[[dict, list[bool]], None] | None = None  # (sample, its group's correctness): the curriculum's
     kl: KLController | None = None  # the KL coefficient beta, fixed or adaptive (algorithm.kl_target)
     replay: object | None = None  # vlmrl.trainer.replay.Replay: the SFT loss mixed into the update (replay.weight)
+    agent: object | None = None  # vlmrl.agent.AgentSpec: multi-turn rollouts with tools (the recipe's `agent`)
     guard: NonfiniteGuard = field(default_factory=NonfiniteGuard)  # optimizer steps skipped for a NaN/inf, run-long
 
     def __post_init__(self):

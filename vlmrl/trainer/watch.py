@@ -112,8 +112,9 @@ class TruncationWatch:
         if self.warned or len(self.recent) < self.WINDOW:
             return None
         self.warned = True
-        return truncation_warning(share, "rollout.max_new_tokens", self.cfg.rollout.max_new_tokens,
-                                  f"steps {step - self.WINDOW + 1}-{step}")
+        key, budget = ("agent.turn_tokens", self.cfg.agent.turn_tokens) if self.cfg.agent.enabled else \
+            ("rollout.max_new_tokens", self.cfg.rollout.max_new_tokens)
+        return truncation_warning(share, key, budget, f"steps {step - self.WINDOW + 1}-{step}")
 
 
 class RewardFailureWatch:

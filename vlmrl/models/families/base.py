@@ -171,6 +171,10 @@ class VLProcessor:
             raise ConfigError(f"model.min_pixels/model.max_pixels: the {self.family} family resizes images to a fixed "
                              f"size and has no pixel budget; remove these keys")
 
+    def max_image_pixels(self) -> int | None:
+        """The pixel budget an image is processed at (None: the family resizes every image to a fixed size)."""
+        return None
+
     # -- the text side ---------------------------------------------------------------------------------------------
     def prompt_text(self, problem: str, n_images: int) -> str:
         """The chat-formatted prompt: one user turn with the images first, then the problem; generation prompt on."""

@@ -57,6 +57,9 @@ class QwenVLProcessor(VLProcessor):
             size["longest_edge"] = max_pixels
         self.image_processor.size = size
 
+    def max_image_pixels(self) -> int | None:
+        return self.image_processor.size.get("longest_edge")
+
     def process_images(self, images: list) -> ImageInputs:
         out = self.image_processor(images=images, return_tensors="pt")
         grid = out["image_grid_thw"]

@@ -1,0 +1,125 @@
+"""From turns to tokens: what the chat template writes between the policy's turns, and whole trajectories as one
+`ConversationBatch` row each.
+
+A trajectory is kept as token ids, never as text to re-tokenise: the prompt's ids, then each turn's sampled ids
+verbatim (its end-of-turn token included), then each observation's ids. An observation's ids are the text the
+family's chat template writes after an assistant turn for the tool-response message (Qwen and Hermes:
+`\\n<|im_start|>user\\n<tool_response>\\n...\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n`), found as the
+difference between the template's rendering of a conversation with and without that message, with each image's
+placeholder expanded exactly as in a prompt. Tool results go in the user role with the `<tool_response>` wrapper:
+every family's template renders a user turn's images (some render no images, or no turn at all, for a `tool` role).
+
+Image placeholders, image tokens and image features are counted at every turn: the observation's placeholder
+tokens against its images' token counts here, every row of a `ConversationBatch` against all of its images in
+`conversation_batch`, and features against tokens in the family's `prompt_embeds`. A mismatch is a `DataError`
+naming the sample and the turn.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vlmrl.errors import DataError
+from vlmrl.models.batch import ConversationBatch, PromptBatch
+from vlmrl.models.families.base import ImageInputs, VLProcessor
+
+_PROBE = [{"role": "user", "content": [{"type": "text", "text": "q"}]},
+          {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]
+
+
+def tool_message(content: list[dict]) -> dict:
+    """The message a tool response is rendered as: a user turn wrapped in `<tool_response>`, images in place."""
+    parts = [{"type": "text", "text": "<tool_response>\n"}]
+    for block in content:
+        parts.append({"type": "image"} if block["type"] == "image" else {"type": "text", "text": block["text"]})
+    parts.append({"type": "text", "text": "\n</tool_response>"})
+    return {"role": "user", "content": parts}
+
+
+class TurnRenderer:
+    """Observation ids for one processor (one family's template, tokenizer and image processor)."""
+
+    def __init__(self, processor: VLProcessor):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.end = processor.end_tokens[0] if processor.end_tokens else self.tokenizer.eos_token
+
+    def suffix(self, message: dict) -> str:
+        """What the template writes after the policy's end-of-turn token for `message`, generation prompt on."""
+        render = lambda messages, gen: self.tokenizer.apply_chat_template(  # noqa: E731
+            messages, chat_template=self.processor.chat_template, tokenize=False, add_generation_prompt=gen)
+        before, after = render(_PROBE, False), render([*_PROBE, message], True)
+        cut = before.rfind(self.end)
+        if cut < 0 or not after.startswith(before[:cut + len(self.end)]):
+            raise DataError(f"the {self.processor.family} chat template does not end an assistant turn with "
+                            f"{self.end!r} or renders earlier turns differently once a later turn is added; "
+                            "multi-turn rollouts need a template that appends turns")
+        return after[cut + len(self.end):]
+
+    def observation(self, content: list[dict], sample_id: str, turn: int) -> tuple[list[int], list, list[int]]:
+        """(ids, images, image tokens of each image) of an observation's content blocks."""
+        images = [b["image"] for b in content if b["type"] == "image"]
+        text = self.suffix(tool_message(content))
+        inputs = self.processor.processed_images(images) if images else ImageInputs({}, {}, [], [])
+        text = self.processor.expand(text, inputs.placeholders, f"{sample_id}, turn {turn}")
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        found = sum(1 for i in ids if i == self.processor.image_token_id)
+        if found != sum(inputs.tokens):
+            raise DataError(f"sample {sample_id!r}, turn {turn}: the observation has {found} image placeholder "
+                            f"tokens for {len(images)} image(s) of {sum(inputs.tokens)} features; does a tool's "
+                            f"text contain {self.processor.image_token!r}?")
+        return ids, images, inputs.tokens
+
+
+def conversation_batch(processor: VLProcessor, prompts: PromptBatch, rows: list[int], tails: list[list[int]],
+                       images: list[list], policy_masks: list[list[int]], turn: int | str = "end"
+                       ) -> ConversationBatch:
+    """One row per trajectory i: prompt `rows[i]` of `prompts`, then `tails[i]` (every token after the prompt), with
+    the prompt's images and then `images[i]` (the observations' images, in order), left-padded. `policy_masks[i]`
+    is 1 on the policy's own tokens of the tail: an image placeholder token the policy sampled is text, never a
+    place for image features (only the prompt's and the observations' placeholders are)."""
+    sub = prompts.subset(rows)
+    flat = [im for ims in images for im in ims]
+    extra = processor.processed_images(flat) if flat else ImageInputs({}, {}, [], [])
+    keys = list(dict.fromkeys([*sub.vision, *extra.vision]))
+
+    def per_image(vision: dict, vision_rows: dict) -> list[dict]:
+        """The tensors of each image, image by image."""
+        splits = {k: vision[k].split(vision_rows[k]) for k in vision}
+        count = len(next(iter(vision_rows.values()))) if vision_rows else 0
+        return [{k: splits[k][i] for k in splits} for i in range(count)]
+
+    prompt_images, tail_images = per_image(sub.vision, sub.vision_rows), per_image(extra.vision, extra.vision_rows)
+    seqs, places, ordered, tokens, counts = [], [], [], [], []
+    p_at = t_at = 0
+    for i, tail in enumerate(tails):
+        real = sub.attention_mask[i].bool()
+        seqs.append(sub.input_ids[i][real].tolist() + list(tail))
+        places.append(sub.mm_token_type_ids[i][real].tolist()
+                      + [int(t == processor.image_token_id and not own) for t, own in zip(tail, policy_masks[i],
+                                                                                          strict=True)])
+        n_prompt, n_tail = sub.images_per_prompt[i], len(images[i])
+        ordered += prompt_images[p_at:p_at + n_prompt] + tail_images[t_at:t_at + n_tail]
+        tokens += sub.image_tokens[p_at:p_at + n_prompt] + extra.tokens[t_at:t_at + n_tail]
+        counts.append(n_prompt + n_tail)
+        p_at, t_at = p_at + n_prompt, t_at + n_tail
+    width = max(len(s) for s in seqs)
+    pad = processor.tokenizer.pad_token_id
+    input_ids = torch.full((len(seqs), width), pad, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    mm = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, (s, place) in enumerate(zip(seqs, places, strict=True)):
+        input_ids[i, width - len(s):] = torch.tensor(s, dtype=torch.long)
+        mask[i, width - len(s):] = 1
+        mm[i, width - len(s):] = torch.tensor(place, dtype=torch.long)
+    start = 0
+    for i, n in enumerate(counts):
+        expected = sum(tokens[start:start + n])
+        start += n
+        if int(mm[i].sum()) != expected:
+            raise DataError(f"sample {sub.sample_ids[i]!r}, turn {turn}: {int(mm[i].sum())} image placeholder tokens "
+                            f"in the trajectory but its {n} image(s) give {expected} features")
+    vision = {k: torch.cat([im[k] for im in ordered]) for k in keys} if ordered else {}
+    vision_rows = {k: [len(im[k]) for im in ordered] for k in keys} if ordered else {}
+    return ConversationBatch(list(sub.sample_ids), input_ids, mask, mm, vision, vision_rows, counts, tokens,
+                             completion_tokens=[len(t) for t in tails])

@@ -1,0 +1,198 @@
+"""Stage I for agents: multi-turn rollouts, every live trajectory of a step generating together each turn.
+
+Turn 0 is the single-turn sampler itself (G answers per prompt, the prompt encoded once). After each turn, every
+trajectory's environment answers its message (vlmrl.agent.env); the observation's ids and images are appended to the
+trajectory (vlmrl.agent.render), and the trajectories still going generate their next turn in one batched call, each
+from its own random stream (a function of its prompt's seed, its index in the group and the turn), so the same
+seed gives the same trajectories whatever else shares the batch. A trajectory ends when its environment says so,
+at `max_turns`, when a turn hits `turn_tokens` without an end token, or when the next observation would pass the
+trajectory's token budget (`max_total_tokens`) or image budget (`max_images`); the last two count as truncated.
+
+The result is an ordinary `Rollout` whose completion is everything after the prompt (the policy's tokens and the
+observations) with `completion_mask` on the policy's tokens only, plus the `ConversationBatch` of the whole
+trajectories that every log-prob pass runs on. So advantages, losses, KL, micro-batching and checkpoints work on
+multi-turn trajectories unchanged, and an observation token never gets a gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vlmrl.agent.env import EnvFactory, Observation
+from vlmrl.agent.render import TurnRenderer, conversation_batch
+from vlmrl.agent.tools import Tool, ToolContext
+from vlmrl.models.batch import PromptBatch
+from vlmrl.models.policy import Policy
+from vlmrl.rollout.generate import Rollout, generate
+
+
+@dataclass
+class AgentLimits:
+    max_turns: int = 3  # policy turns per episode
+    turn_tokens: int = 32  # new tokens per turn
+    max_total_tokens: int = 512  # tokens after the prompt (policy and observations)
+    max_images: int = 4  # images the tools may add to one trajectory
+
+
+@dataclass
+class Episode:
+    """One trajectory in progress."""
+
+    prompt: int  # its prompt's row in the PromptBatch
+    sample: dict
+    env: object
+    context: ToolContext
+    ids: list[int] = field(default_factory=list)  # every token after the prompt
+    policy_mask: list[int] = field(default_factory=list)  # 1 on the policy's tokens
+    logprobs: list[float] = field(default_factory=list)  # sampling log-probs (0 on observations)
+    images: list = field(default_factory=list)  # the observations' images, in order
+    turns: list[dict] = field(default_factory=list)  # per turn: text, tool calls and failures, images returned
+    done: bool = False
+    truncated: bool = False
+    env_reward: float | None = None
+
+    @property
+    def final_text(self) -> str:
+        return self.turns[-1]["text"] if self.turns else ""
+
+
+@dataclass
+class AgentRollout:
+    # completion = all tokens after the prompt, mask = the policy's, texts = each final message, context = the whole
+    # trajectories (one ConversationBatch row each), columns = `columns()`
+    rollout: Rollout | None
+    episodes: list[Episode]
+
+    def columns(self) -> dict[str, list]:
+        """Per-trajectory columns for the rewards: the turns, tool calls, their failures, the environment's reward."""
+        calls = [sum(len(t["tool_calls"]) for t in e.turns) for e in self.episodes]
+        failed = [sum(t["tool_failures"] for t in e.turns) for e in self.episodes]
+        return {"turns": [e.turns for e in self.episodes], "num_turns": [len(e.turns) for e in self.episodes],
+                "tool_calls": calls, "tool_failures": failed,
+                "env_reward": [e.env_reward for e in self.episodes]}
+
+    def stats(self) -> dict[str, float]:
+        return agent_metrics(self.columns())
+
+
+def agent_metrics(columns: dict[str, list]) -> dict[str, float]:
+    """The episodes' tool use and shape: tool calls per episode, failed calls (`tool/failures`, and per kind), the
+    share of episodes that called a tool, the share of calls that failed, turns and images per episode."""
+    turns = columns["turns"]
+    n = max(len(turns), 1)
+    calls = sum(len(t["tool_calls"]) for ep in turns for t in ep)
+    failures = sum(t["tool_failures"] for ep in turns for t in ep)
+    errors: dict[str, int] = {}
+    for ep in turns:
+        for t in ep:
+            for kind in t["errors"]:
+                errors[kind] = errors.get(kind, 0) + 1
+    out = {"tool/calls_per_episode": calls / n, "tool/failures": float(failures),
+           "tool/call_rate": sum(any(t["tool_calls"] for t in ep) for ep in turns) / n,
+           "tool/invalid_rate": failures / max(calls, 1),
+           "agent/turns_per_episode": sum(len(ep) for ep in turns) / n,
+           "agent/images_per_episode": sum(len(t["images"]) for ep in turns for t in ep) / n}
+    out.update({f"agent/ended/{k}": float(v) for k, v in sorted(errors.items()) if k in ("budget", "env_raised")})
+    out.update({f"tool/failures/{k}": float(v) for k, v in sorted(errors.items())
+                if k not in ("budget", "env_raised")})
+    return out
+
+
+def turn_seed(prompt_seed: int, member: int, turn: int) -> int:
+    return ((prompt_seed * 1_000_039 + member) * 1_000_081 + turn) % (2**63 - 1)
+
+
+def _step_env(episode: Episode, text: str) -> Observation:
+    try:
+        return episode.env.step(text)
+    except Exception as exc:  # a user environment's bug ends this episode, counted, not the run
+        episode.turns[-1]["errors"].append("env_raised")
+        episode.turns[-1]["env_error"] = f"{type(exc).__name__}: {exc}"
+        return Observation(done=True)
+
+
+@torch.no_grad()
+def agent_rollout(policy: Policy, prompts: PromptBatch, samples: list[dict], group_size: int, limits: AgentLimits,
+                  tools: dict[str, Tool], make_env: EnvFactory, temperature: float, top_k: int = 0,
+                  top_p: float = 1.0, prompt_seeds: list[int] | None = None,
+                  max_pixels: int | None = None) -> AgentRollout:
+    """G multi-turn trajectories per prompt (module docstring). `prompt_seeds`: one per prompt (None: the global
+    torch generator, not reproducible across batch layouts)."""
+    renderer = TurnRenderer(policy.processor)
+    episodes = []
+    for p, sample in enumerate(samples):
+        for _ in range(group_size):
+            context = ToolContext(list(sample.get("images") or []), max_pixels, sample)
+            episodes.append(Episode(p, sample, make_env(sample, tools, context), context))
+    seeds = prompt_seeds or [None] * len(samples)
+    eos = set(policy.eos_token_ids)
+    for turn in range(limits.max_turns):
+        live = [e for e in episodes if not e.done]
+        if not live:
+            break
+        budget = min(limits.turn_tokens, min(limits.max_total_tokens - len(e.ids) for e in live))
+        if turn == 0:  # the prompt once per group, G answers from the prompt's own stream: the single-turn sampler
+            out = generate(policy, prompts, group_size, budget, temperature, top_k, top_p,
+                           prompt_seeds=prompt_seeds)
+        else:
+            batch = conversation_batch(policy.processor, prompts, [e.prompt for e in live], [e.ids for e in live],
+                                       [e.images for e in live], [e.policy_mask for e in live], turn)
+            index = {id(e): i for i, e in enumerate(episodes)}
+            turn_seeds = None if prompt_seeds is None else \
+                [turn_seed(seeds[e.prompt], index[id(e)] % group_size, turn) for e in live]
+            out = generate(policy, batch, 1, budget, temperature, top_k, top_p, prompt_seeds=turn_seeds)
+        for j, e in enumerate(live):
+            n = int(out.completion_mask[j].sum())
+            ids = out.completion_ids[j, :n].tolist()
+            e.ids += ids
+            e.policy_mask += [1] * n
+            e.logprobs += out.logprobs[j, :n].tolist()
+            e.turns.append({"text": out.texts[j], "tool_calls": [], "tool_failures": 0, "errors": [],
+                            "images": []})
+            ended = bool(ids) and ids[-1] in eos
+            if not ended:  # the turn ran out of tokens: no well-formed message to answer
+                e.done = e.truncated = True
+                continue
+            obs = _step_env(e, out.texts[j])
+            t = e.turns[-1]
+            t["tool_calls"] = [r.name for r in obs.tool_results]
+            t["tool_failures"] = sum(not r.ok for r in obs.tool_results)
+            t["errors"] += [r.error for r in obs.tool_results if not r.ok]
+            if obs.reward is not None:
+                e.env_reward = (e.env_reward or 0.0) + obs.reward
+            if obs.done or turn == limits.max_turns - 1:
+                e.done = True
+                continue
+            sid = str(e.sample.get("id"))
+            obs_ids, images, _ = renderer.observation(obs.content, sid, turn + 1)
+            if len(e.ids) + len(obs_ids) > limits.max_total_tokens or len(e.images) + len(images) > limits.max_images:
+                e.done = e.truncated = True  # the budget ends the episode before the observation is shown
+                t["errors"].append("budget")
+                continue
+            t["images"] = images
+            e.ids += obs_ids
+            e.policy_mask += [0] * len(obs_ids)
+            e.logprobs += [0.0] * len(obs_ids)
+            e.images += images
+    return _finish(policy, prompts, episodes, group_size)
+
+
+def _finish(policy: Policy, prompts: PromptBatch, episodes: list[Episode], group_size: int) -> AgentRollout:
+    width = max(max((len(e.ids) for e in episodes), default=1), 1)
+    n = len(episodes)
+    ids = torch.full((n, width), policy.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((n, width), dtype=torch.long)
+    logprobs = torch.zeros((n, width), dtype=torch.float32)
+    for i, e in enumerate(episodes):
+        ids[i, :len(e.ids)] = torch.tensor(e.ids, dtype=torch.long)
+        mask[i, :len(e.ids)] = torch.tensor(e.policy_mask, dtype=torch.long)
+        logprobs[i, :len(e.ids)] = torch.tensor(e.logprobs)
+    index = torch.arange(len(prompts)).repeat_interleave(group_size)
+    context = conversation_batch(policy.processor, prompts, [e.prompt for e in episodes], [e.ids for e in episodes],
+                                 [e.images for e in episodes], [e.policy_mask for e in episodes])
+    out = AgentRollout(None, episodes)
+    out.rollout = Rollout(index, ids, mask, logprobs, torch.tensor([e.truncated for e in episodes]),
+                          [e.final_text for e in episodes], context, out.columns())
+    return out
