@@ -1,0 +1,333 @@
+"""Multi-turn agentic rollouts (vlmrl.agent): masks by hand, image counts at every turn for every family, the model
+sees a tool's image, tool failures are counted, determinism, and micro-batching on conversations."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from PIL import Image
+
+import vlmrl.agent.rollout as agent_rollout_module
+from vlmrl.agent import AgentLimits, AgentSpec, agent_rollout
+from vlmrl.agent.env import Observation, ToolEnvironment
+from vlmrl.agent.render import TurnRenderer, conversation_batch
+from vlmrl.agent.rollout import agent_metrics
+from vlmrl.agent.tools import BUILTIN_TOOLS, Tool, ToolContext, call_tool, parse_calls, run_calls
+from vlmrl.config import AgentConfig, load_config
+from vlmrl.data import make_task, vocabulary_texts
+from vlmrl.errors import DataError
+from vlmrl.models import load_policy
+from vlmrl.models.forward import sequence_logprobs
+from vlmrl.models.tiny_families import TINY_FAMILIES, build_tiny_family
+from vlmrl.rollout.batch import make_prompts
+from vlmrl.rollout.generate import Rollout
+
+ZOOM = '<tool_call>{"name":"zoom","arguments":{"box":[0,0,28,28]}}</tool_call>'
+CALC = '<tool_call>{"name":"calculator","arguments":{"expression":"2+3"}}</tool_call>'
+ANSWER = "<answer>5</answer>"
+
+
+def scripted(monkeypatch, policy, script: dict[int, list[str]]):
+    """Replace the sampler inside the agent rollout: call k (turn k) gives row j the message script[k][j] followed
+    by the end-of-turn token (log-probs 0.5, so masks can be read off them)."""
+    tok, eos, calls = policy.processor.tokenizer, policy.eos_token_ids[0], []
+
+    def fake_generate(policy_, prompts, group_size, max_new_tokens, *args, **kwargs):
+        turn = len(calls)
+        calls.append(len(prompts))
+        messages = script[turn]
+        seqs = [tok(m, add_special_tokens=False)["input_ids"] + [eos] for m in messages]
+        width = max(len(s) for s in seqs)
+        ids = torch.full((len(seqs), width), policy.pad_token_id)
+        mask = torch.zeros((len(seqs), width), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+        return Rollout(torch.arange(len(seqs)), ids, mask, 0.5 * mask.float(), torch.zeros(len(seqs), dtype=torch.bool),
+                       messages)
+
+    monkeypatch.setattr(agent_rollout_module, "generate", fake_generate)
+    return calls
+
+
+def tool_env(sample, tools, context):
+    return ToolEnvironment(sample, tools, context)
+
+
+def test_three_turn_trajectory_masks_by_hand(policy, count_samples, monkeypatch):
+    """Turn 1 zooms (an image comes back), turn 2 calculates (text comes back), turn 3 answers: every policy token
+    is masked in, every observation token out, and each observation is exactly the chat template's tool response."""
+    tok, eos = policy.processor.tokenizer, policy.eos_token_ids[0]
+    scripted(monkeypatch, policy, {0: [ZOOM], 1: [CALC], 2: [ANSWER]})
+    out = agent_rollout(policy, make_prompts(policy, count_samples[:1]), count_samples[:1], 1,
+                        AgentLimits(max_turns=3, turn_tokens=64, max_total_tokens=400), BUILTIN_TOOLS, tool_env, 1.0,
+                        max_pixels=84 * 84)
+    r = out.rollout
+    n = int(r.completion_mask.shape[1])
+    ids, mask = r.completion_ids[0].tolist(), r.completion_mask[0].tolist()
+    m1, m2, m3 = (tok(m, add_special_tokens=False)["input_ids"] + [eos] for m in (ZOOM, CALC, ANSWER))
+    # the zoomed 28x28 region comes back at the 84x84 budget: 6x6 patches, 2x2 merged = 9 image tokens
+    obs1 = ("\n<|im_start|>user\n<tool_response>\n<|vision_start|>" + "<|image_pad|>" * 9 + "<|vision_end|>"
+            "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    obs2 = "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    o1, o2 = (tok(o, add_special_tokens=False)["input_ids"] for o in (obs1, obs2))
+    assert ids == m1 + o1 + m2 + o2 + m3 and n == len(ids)
+    assert mask == [1] * len(m1) + [0] * len(o1) + [1] * len(m2) + [0] * len(o2) + [1] * len(m3)
+    assert r.logprobs[0].tolist() == [0.5 * m for m in mask]  # the sampler's log-probs on policy tokens only
+    assert r.texts == [ANSWER] and not bool(r.truncated[0])
+    c = out.rollout.context  # the whole conversation: the prompt's image, then the zoomed one
+    assert c.images_per_prompt == [2] and c.image_tokens[1] == 9 and c.completion_tokens == [n]
+    assert c.input_ids[0, -n:].tolist() == ids and int(c.mm_token_type_ids[0].sum()) == sum(c.image_tokens)
+    turns = r.columns["turns"][0]
+    assert [t["tool_calls"] for t in turns] == [["zoom"], ["calculator"], []]
+    assert r.columns["tool_calls"] == [2] and r.columns["tool_failures"] == [0] and r.columns["num_turns"] == [3]
+
+
+def test_budgets_end_episodes_as_truncated(policy, count_samples, monkeypatch):
+    scripted(monkeypatch, policy, {0: [ZOOM, ZOOM, ZOOM], 1: [ANSWER, ZOOM]})
+    samples = count_samples[:3]
+    limits = AgentLimits(max_turns=2, turn_tokens=64, max_total_tokens=400, max_images=0)
+    out = agent_rollout(policy, make_prompts(policy, samples), samples, 1, limits, BUILTIN_TOOLS, tool_env, 1.0,
+                        max_pixels=84 * 84)
+    # no image may be added: every zoom ends its episode before the observation is shown
+    assert out.rollout.truncated.tolist() == [True, True, True]
+    assert [len(t) for t in out.rollout.columns["turns"]] == [1, 1, 1]
+    assert agent_metrics(out.rollout.columns)["agent/ended/budget"] == 3.0
+
+
+def test_every_family_counts_image_tokens_at_every_turn(tmp_path_factory):
+    """Each family's observation placeholders equal its image features; a conversation with the prompt's image and
+    two tool images runs through the family's forward; a stray placeholder is an error naming sample and turn, and a
+    placeholder token the policy sampled is text."""
+    samples = make_task("shapes_count", 1, "train", seed=5)
+    for family in TINY_FAMILIES:
+        policy = load_policy(build_tiny_family(family, tmp_path_factory.mktemp(family), vocabulary_texts(0)))
+        proc, tok = policy.processor, policy.processor.tokenizer
+        renderer = TurnRenderer(proc)
+        prompts = make_prompts(policy, samples)
+        a, b = Image.new("RGB", (56, 56), (200, 30, 30)), Image.new("RGB", (84, 56), (30, 30, 200))
+        obs_a, _, tokens_a = renderer.observation([{"type": "image", "image": a}], "s", 1)
+        obs_b, _, tokens_b = renderer.observation([{"type": "text", "text": "x"}, {"type": "image", "image": b}],
+                                                  "s", 2)
+        for ids, tokens in ((obs_a, tokens_a), (obs_b, tokens_b)):
+            assert sum(i == proc.image_token_id for i in ids) == sum(tokens) > 0, family
+        own = tok("<answer>3</answer>", add_special_tokens=False)["input_ids"] + [policy.eos_token_ids[0]]
+        tail = own + obs_a + own + obs_b + own
+        policy_mask = [1] * len(own) + [0] * len(obs_a) + [1] * len(own) + [0] * len(obs_b) + [1] * len(own)
+        batch = conversation_batch(proc, prompts, [0], [tail], [[a, b]], [policy_mask])
+        assert batch.images_per_prompt == [3] and int(batch.mm_token_type_ids.sum()) == sum(batch.image_tokens)
+        embeds = policy.family.prompt_embeds(batch)  # features == placeholders, checked inside
+        assert embeds.embeds.shape[1] == batch.input_ids.shape[1]
+        with pytest.raises(DataError, match=r"sample .*turn 2"):  # one placeholder too many in an observation
+            conversation_batch(proc, prompts, [0], [tail + [proc.image_token_id]], [[a, b]], [policy_mask + [0]],
+                               turn=2)
+        sampled = conversation_batch(proc, prompts, [0], [tail + [proc.image_token_id]], [[a, b]],
+                                     [policy_mask + [1]])  # the policy wrote it: a text token, no error
+        assert int(sampled.mm_token_type_ids.sum()) == sum(sampled.image_tokens)
+
+
+def test_a_tool_image_on_turn_three_changes_turn_three_log_probs(policy, count_samples):
+    """The model sees the tool's image: with another image in its place, the log-probs of the tokens after it move,
+    and those before it do not (causal attention)."""
+    tok, eos, proc = policy.processor.tokenizer, policy.eos_token_ids[0], policy.processor
+    renderer = TurnRenderer(proc)
+    prompts = make_prompts(policy, count_samples[:1])
+    turn1 = tok(CALC, add_special_tokens=False)["input_ids"] + [eos]
+    turn2 = tok(ZOOM, add_special_tokens=False)["input_ids"] + [eos]
+    turn3 = tok(ANSWER, add_special_tokens=False)["input_ids"] + [eos]
+    text_obs, _, _ = renderer.observation([{"type": "text", "text": "5"}], "s", 1)
+    rows = []
+    for color in ((250, 250, 250), (10, 10, 10)):
+        image = Image.new("RGB", (84, 84), color)
+        image_obs, _, _ = renderer.observation([{"type": "image", "image": image}], "s", 2)
+        tail = turn1 + text_obs + turn2 + image_obs + turn3
+        mask = [1] * len(turn1) + [0] * len(text_obs) + [1] * len(turn2) + [0] * len(image_obs) + [1] * len(turn3)
+        batch = conversation_batch(proc, prompts, [0], [tail], [[image]], [mask])
+        out = sequence_logprobs(policy, batch, torch.tensor([0]), torch.tensor([tail]), torch.tensor([mask]), 1.0)
+        rows.append(out.logprobs[0])
+    before = len(turn1) + len(text_obs) + len(turn2)
+    assert torch.equal(rows[0][:before], rows[1][:before])  # turns 1 and 2 cannot see the later image
+    assert (rows[0][-len(turn3):] - rows[1][-len(turn3):]).abs().max() > 1e-4  # turn 3 sees it
+
+
+def test_conversation_forward_matches_the_prompt_completion_forward(policy, count_samples):
+    """A one-turn conversation scored through its whole sequence gives the prompt + completion forward's log-probs."""
+    tok, eos = policy.processor.tokenizer, policy.eos_token_ids[0]
+    samples = count_samples[:3]
+    prompts = make_prompts(policy, samples)
+    answers = ["<answer>3</answer>", "<answer>12</answer>", "<answer>0</answer>"]
+    seqs = [tok(a, add_special_tokens=False)["input_ids"] + [eos] for a in answers]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((3, width), policy.pad_token_id)
+    mask = torch.zeros((3, width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)], mask[i, :len(s)] = torch.tensor(s), 1
+    plain = sequence_logprobs(policy, prompts, torch.arange(3), ids, mask, 1.0).logprobs
+    conv = conversation_batch(policy.processor, prompts, [0, 1, 2], seqs, [[], [], []], [[1] * len(s) for s in seqs])
+    assert torch.allclose(sequence_logprobs(policy, conv, torch.arange(3), ids, mask, 1.0).logprobs, plain, atol=1e-5)
+
+
+def test_tool_failures_become_error_observations_and_are_counted():
+    def crash(context):
+        raise RuntimeError("disk on fire")
+
+    def hang(context):
+        time.sleep(5)
+        return "late"
+
+    tools = {**BUILTIN_TOOLS, "crash": Tool("crash", crash, {"type": "object"}),
+             "hang": Tool("hang", hang, {"type": "object"}, timeout=0.2)}
+    context = ToolContext([Image.new("RGB", (56, 56))], 84 * 84)
+    cases = {
+        '{"name": "crash", "arguments": {}}': "raised",
+        '{"name": "hang", "arguments": {}}': "timeout",
+        '{"name": "zoom", "arguments": {"box": [0, 0]}': "parse",  # malformed JSON
+        '{"name": "zoom", "arguments": {"box": [0, 0]}}': "arguments",  # fails the schema
+        '{"name": "zoom", "arguments": {"box": [60, 60, 70, 70]}}': "raised",  # outside the image
+        '{"name": "rotate", "arguments": {}}': "unknown_tool",
+    }
+    t0 = time.perf_counter()
+    for payload, kind in cases.items():
+        result = call_tool(payload, tools, context)
+        assert not result.ok and result.error == kind, payload
+        assert result.content[0]["text"].startswith("Error: ")
+    assert time.perf_counter() - t0 < 3  # the hanging tool was abandoned at its time limit
+    message = "".join(f"<tool_call>{p}</tool_call>" for p in cases) + '<tool_call>{"name": "calculator"'
+    results = run_calls(message, tools, context)
+    assert len(results) == 7 and results[-1].error == "parse"  # an unclosed call is a malformed call
+    env = ToolEnvironment({}, tools, context)
+    obs = env.step(message)
+    assert not obs.done and len(obs.tool_results) == 7
+    turns = [[{"tool_calls": [r.name for r in obs.tool_results], "tool_failures": 7,
+               "errors": [r.error for r in obs.tool_results], "images": []}]]
+    metrics = agent_metrics({"turns": turns})
+    assert metrics["tool/failures"] == 7 and metrics["tool/invalid_rate"] == 1.0
+    assert metrics["tool/failures/parse"] == 2 and metrics["tool/failures/timeout"] == 1
+
+
+def test_builtin_tools_by_hand():
+    board = Image.new("RGB", (336, 336), (255, 255, 255))
+    board.paste((0, 0, 0), (112, 0, 224, 112))
+    context = ToolContext([board], 112 * 112)
+    zoomed = call_tool('{"name": "zoom", "arguments": {"box": [112, 0, 224, 112]}}', BUILTIN_TOOLS, context)
+    image = zoomed.content[0]["image"]
+    assert zoomed.ok and image.size == (112, 112) and image.getpixel((56, 56)) == (0, 0, 0)
+    small = call_tool('{"name": "zoom", "arguments": {"box": [0, 0, 56, 28]}}', BUILTIN_TOOLS, context)
+    assert small.content[0]["image"].size == (158, 79)  # 2:1 kept, area at the budget (158 * 79 ~ 112 * 112)
+    crop = call_tool('{"name": "crop", "arguments": {"box": [0, 0, 56, 28], "image": 0}}', BUILTIN_TOOLS, context)
+    assert crop.content[0]["image"].size == (56, 28)
+    assert call_tool('{"name": "calculator", "arguments": {"expression": "2+3*4"}}', BUILTIN_TOOLS,
+                     context).content[0]["text"] == "14"
+    power = call_tool('{"name": "calculator", "arguments": {"expression": "9**9**9**9"}}', BUILTIN_TOOLS, context)
+    assert not power.ok and power.error == "raised"  # simpleeval bounds powers: an error, not a hang
+    assert parse_calls("no call here") == [] and parse_calls("<tool_call>a</tool_call> <tool_call>b") == ["a", "b"]
+
+
+def test_same_seed_same_trajectories_whatever_the_batch(policy, count_samples):
+    """Each trajectory draws from its own stream (prompt seed, member, turn): the same seeds give the same
+    trajectories, and a prompt's trajectories do not depend on the other prompts in the batch."""
+    head, eos = policy.family.lm_head, policy.eos_token_ids[0]
+
+    def ends_soon(hidden):  # a random model rarely ends a turn: make the end token likely so turns happen
+        logits = head(hidden)
+        logits[..., eos] += 4.0
+        return logits
+
+    policy.family.lm_head = ends_soon
+
+    class Echo:  # answers every message with an image, for three turns
+        def __init__(self, sample, tools, context):
+            self.context = context
+
+        def step(self, message):
+            return Observation([{"type": "text", "text": "look"}, {"type": "image", "image": self.context.images[0]}])
+
+    limits = AgentLimits(max_turns=3, turn_tokens=8, max_total_tokens=400)
+    samples = count_samples[:3]
+
+    def run(rows, seeds):
+        chosen = [samples[i] for i in rows]
+        return agent_rollout(policy, make_prompts(policy, chosen), chosen, 2, limits, {}, Echo, 1.0,
+                             prompt_seeds=seeds, max_pixels=84 * 84).rollout
+
+    a, b, c = run([0, 1, 2], [7, 8, 9]), run([0, 1, 2], [7, 8, 9]), run([2], [9])
+    assert torch.equal(a.completion_ids, b.completion_ids) and a.texts == b.texts
+    assert max(len(t) for t in a.columns["turns"]) >= 2  # several turns happened
+    width = c.completion_ids.shape[1]
+    assert torch.equal(a.completion_ids[4:, :width], c.completion_ids) and a.texts[4:] == c.texts
+    # the sampler's log-probs are what the conversation forward recomputes
+    gap = (sequence_logprobs(policy, a.context, torch.arange(6), a.completion_ids, a.completion_mask, 1.0).logprobs
+           - a.logprobs).abs()[a.completion_mask.bool()]
+    assert gap.max() < 1e-4
+
+
+def test_micro_batching_leaves_the_multi_turn_update_unchanged(tiny_model_dir, count_samples, monkeypatch):
+    from tests.test_algorithms_e2e import _context
+    from vlmrl.trainer.rl import build_trajectories, collect_and_score
+    from vlmrl.trainer.update import update
+
+    cfg = load_config(None, ["rollout.group_size=2", "rollout.max_new_tokens=6"])
+    a, b = load_policy(tiny_model_dir), load_policy(tiny_model_dir)
+    samples = count_samples[:2]
+    # turn 1: two zoom, one calculates, one answers; turn 2: the live three (0, 2, 3); turn 3: row 2
+    script = {0: [ZOOM, ANSWER, CALC, ZOOM], 1: [ANSWER, CALC, ANSWER], 2: ["<answer>7</answer>"]}
+    batches = []
+    for policy in (a, b):
+        scripted(monkeypatch, policy, script)
+        ctx = _context(policy, cfg)
+        ctx.agent = AgentSpec(AgentLimits(3, 64, 400, 2), BUILTIN_TOOLS, tool_env, 84 * 84)
+        batch = collect_and_score(ctx, samples)
+        batch.rewards.total = torch.tensor([1.0, 0.0, 0.0, 1.0])
+        batches.append((ctx, batch))
+    assert batches[0][1].rollout.context is not None and batches[0][1].rollout.columns["num_turns"] == [2, 1, 3, 2]
+    batches[1][0].trainer.micro_batch = 1
+    for ctx, batch in batches:
+        traj = build_trajectories(ctx, batch)
+        update(ctx, batch.rollout.context, traj)
+    pa, pb = dict(a.model.named_parameters()), dict(b.model.named_parameters())
+    moved = max((pa[k] - p0).abs().max().item() for k, p0 in load_policy(tiny_model_dir).model.named_parameters())
+    assert moved > 1e-4
+    for k in pa:
+        assert torch.allclose(pa[k], pb[k], atol=1e-5), k
+
+
+def test_agent_config_resolves_tools_and_refuses_bad_ones(tmp_path):
+    from vlmrl.errors import ConfigError
+    from vlmrl.models.families.qwen_vl import QwenVLProcessor  # noqa: F401  (the processor type the spec reads)
+
+    assert not AgentConfig().enabled
+    user = tmp_path / "tools.py"
+    user.write_text("def shout(context, text):\n    return text.upper()\n")
+    spec = {"name": "shout", "function": f"{user}:shout",
+            "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}}
+    from vlmrl.agent.tools import resolve_tools
+
+    tools = resolve_tools(["zoom", spec])
+    assert call_tool('{"name": "shout", "arguments": {"text": "hi"}}', tools, ToolContext()).content[0]["text"] == "HI"
+    with pytest.raises(ConfigError, match="unknown tool 'rotate'"):
+        resolve_tools(["rotate"])
+    with pytest.raises(ConfigError, match="not a valid JSON schema"):
+        resolve_tools([{**spec, "parameters": {"type": "objekt"}}])
+    with pytest.raises(ConfigError, match="second tool named 'zoom'"):
+        resolve_tools(["zoom", "zoom"])
+
+
+def test_the_documented_environment_runs(policy, count_samples, monkeypatch, tmp_path):
+    """docs/agentic.md's user environment, as written there: hints until the answer, its reward in env_reward."""
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs/agentic.md").read_text()
+    code = next(block for block in re.findall(r"```python\n(.*?)```", doc, re.DOTALL) if "class Guess" in block)
+    (tmp_path / "my_env.py").write_text(code)
+    from vlmrl.agent.env import resolve_env
+
+    make_env = resolve_env(f"{tmp_path / 'my_env.py'}:make_env")
+    sample = {**count_samples[0], "solution": "4"}
+    scripted(monkeypatch, policy, {0: ["<answer>2</answer>"], 1: ["<answer>9</answer>"], 2: ["<answer>4</answer>"]})
+    out = agent_rollout(policy, make_prompts(policy, [sample]), [sample], 1, AgentLimits(3, 16, 300, 0), {},
+                        make_env, 1.0).rollout
+    assert out.columns["num_turns"] == [3] and out.columns["env_reward"] == [1.0]
+    text = policy.processor.tokenizer.decode(out.completion_ids[0])
+    assert "higher" in text and "lower" in text
