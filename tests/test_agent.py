@@ -331,3 +331,29 @@ def test_the_documented_environment_runs(policy, count_samples, monkeypatch, tmp
     assert out.columns["num_turns"] == [3] and out.columns["env_reward"] == [1.0]
     text = policy.processor.tokenizer.decode(out.completion_ids[0])
     assert "higher" in text and "lower" in text
+
+
+def test_demonstrations_are_checked_before_they_teach(policy, count_samples):
+    """A demonstration whose tool call fails, or that ends early, is an error naming the sample and turn; one that
+    does not fit agent.turn_tokens is refused before SFT; an agent with vLLM rollouts is refused up front."""
+    from vlmrl.agent.demos import demonstration_batch
+    from vlmrl.errors import ConfigError
+    from vlmrl.trainer.limits import check_demonstration_lengths
+
+    spec = AgentSpec(AgentLimits(), BUILTIN_TOOLS, tool_env, 84 * 84)
+    prompts = make_prompts(policy, count_samples[:1])
+    bad_box = {**count_samples[0], "demonstration": ['<tool_call>{"name":"zoom","arguments":{"box":[0,0]}}'
+                                                     '</tool_call>', ANSWER]}
+    with pytest.raises(DataError, match=r"demonstration turn 0: the tool call failed: Error: zoom: box"):
+        demonstration_batch(policy, spec, prompts, [bad_box])
+    early = {**count_samples[0], "demonstration": [ANSWER, ANSWER]}
+    with pytest.raises(DataError, match="ended the episode after demonstration turn 0 of 2"):
+        demonstration_batch(policy, spec, prompts, [early])
+    good = {**count_samples[0], "demonstration": [ZOOM, ANSWER]}
+    batch, ids, mask = demonstration_batch(policy, spec, prompts, [good])
+    assert batch.images_per_prompt == [2] and int(mask.sum()) < int((ids != policy.pad_token_id).sum())
+    cfg = load_config(None, ["agent.tools=[zoom]", "agent.turn_tokens=8"])
+    with pytest.raises(ConfigError, match="agent.turn_tokens=8 is too short for the demonstrations"):
+        check_demonstration_lengths(policy, cfg, [good])
+    with pytest.raises(ConfigError, match="rollout.engine=vllm with an agent section"):
+        load_config(None, ["agent.tools=[zoom]", "rollout.engine=vllm", "model.device=cuda"])
