@@ -45,7 +45,7 @@ TASKS: dict[str, Task] = {
         Task("shapes_shape", shapes.shapes_shape, shapes.SCENE_OPTIONS, "text", "What shape is the blue object?"),
         Task("shapes_box", shapes.shapes_box, shapes.SCENE_OPTIONS, "box", "Give the bounding box of the red circle."),
         Task("digits_sum", digits.digits_sum, digits.DIGITS_OPTIONS, "number", "What is the sum of the digits?"),
-        Task("zoom_shape", zoom.zoom_shape, zoom.ZOOM_OPTIONS, "text", "What shape is in the yellow cell? (zoom in)"),
+        Task("zoom_shape", zoom.zoom_shape, zoom.ZOOM_OPTIONS, "text", "What shape is in the blue cell? (zoom in)"),
     )
 }
 

@@ -1,10 +1,10 @@
 """A task where the tool is necessary: name a small shape on a large canvas, readable only after zooming in.
 
 The canvas is a `grid` x `grid` board of `cell`-px cells (default 3 x 3 of 112 px: 336 px). Every cell holds one
-dark shape (circle, square or triangle) of 16-24 px; one cell, the target, is tinted yellow, which stays visible at
-any resolution. "What shape is in the yellow cell?" At the tiny model's pixel budget (112 x 112) the whole canvas
-shrinks threefold and a shape is 5-8 px, about half a 14-px patch; the `zoom` tool on the target cell returns it at
-the full budget, where the shape is 16-24 px (the size the shape tasks teach).
+dark shape (circle, square or triangle) of 24-36 px; one cell, the target, is tinted blue, which stays visible at
+any resolution. "What shape is in the blue cell?" At the tiny model's pixel budget (112 x 112) the whole canvas
+shrinks threefold and a shape is 8-12 px, under one 14-px patch; the `zoom` tool on the target cell returns it at
+the full budget, where the shape is 24-36 px.
 
 Each sample carries `target_box` (the target cell, `[x1, y1, x2, y2]`) and a `demonstration`: the policy's messages
 of a correct episode (zoom on the target cell, then answer), which SFT replays through the environment
@@ -20,10 +20,10 @@ from PIL import Image, ImageDraw
 
 from .sample import DataError, Sample, check_split, format_box, is_held_out, option_tag, resolve_options, task_rng
 
-ZOOM_OPTIONS: dict[str, Any] = {"grid": 3, "cell": 112, "shape_px": (16, 24)}
+ZOOM_OPTIONS: dict[str, Any] = {"grid": 3, "cell": 112, "shape_px": (24, 36)}
 SHAPES = ("circle", "square", "triangle")
-PROBLEM = "What shape is in the yellow cell?"
-BACKGROUND, TINT, INK = (255, 255, 255), (255, 225, 80), (40, 40, 40)
+PROBLEM = "What shape is in the blue cell?"
+BACKGROUND, TINT, INK = (255, 255, 255), (90, 150, 255), (20, 20, 20)  # the tint far from white in luminance
 
 
 def tool_call(name: str, arguments: dict) -> str:
@@ -60,7 +60,7 @@ def vocabulary(grid: int = 3, cell: int = 112) -> list[str]:
 
 
 def zoom_shape(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample]:
-    """ "What shape is in the yellow cell?" -> ``"triangle"`` (answer_type text); see the module docstring.
+    """ "What shape is in the blue cell?" -> ``"triangle"`` (answer_type text); see the module docstring.
 
     Options: ``grid`` (cells per side), ``cell`` (px), ``shape_px`` ([min, max] shape size in px)."""
     task = "zoom_shape"
