@@ -357,3 +357,33 @@ def test_demonstrations_are_checked_before_they_teach(policy, count_samples):
         check_demonstration_lengths(policy, cfg, [good])
     with pytest.raises(ConfigError, match="rollout.engine=vllm with an agent section"):
         load_config(None, ["agent.tools=[zoom]", "rollout.engine=vllm", "model.device=cuda"])
+
+
+def test_agentic_recipe_trains_evaluates_and_reports(tmp_path):
+    """recipes/agentic_zoom.yaml end to end on a very small model: SFT on demonstrations, RL steps with tool
+    metrics, `vlmrl eval` with the run's tools, and the report's gallery with each turn's tool images."""
+    import json
+    from pathlib import Path
+
+    from tests.test_train_e2e import SMALL
+    from vlmrl.cli import main
+    from vlmrl.trainer.run import train
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes/agentic_zoom.yaml"
+    run = tmp_path / "run"
+    cfg = load_config(recipe, SMALL + [f"trainer.output_dir={run}", "trainer.steps=2", "sft.steps=4",
+                                       "trainer.log_rollouts_every=1", "agent.turn_tokens=24"])
+    summary = train(cfg)
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["phase"] == "train"]
+    assert len(steps) == 2 and all("tool/call_rate" in r and "agent/turns_per_episode" in r for r in steps)
+    assert "greedy/tool/invalid_rate" in summary["final"]
+    gallery = [json.loads(x) for x in (run / "rollouts.jsonl").read_text().splitlines()]
+    images = [ref for e in gallery for ep in e["turns"] for t in ep for ref in t["images"]]
+    assert all((run / ref).is_file() for ref in images)
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(run), "--temperatures", "0", "--n", "4", "--out", str(out)]) == 0
+    assert "tool/call_rate" in json.loads(out.read_text())["T=0.0"]
+    assert main(["report", str(run), "--out", str(tmp_path / "report")]) == 0
+    page = next((tmp_path / "report").glob("*.html")).read_text()
+    assert "Episode of answer 1" in page and page.count("tool image") == min(len(images), page.count("tool image"))

@@ -127,16 +127,20 @@ def cmd_eval(args) -> int:
     rewards = [RewardSpec.from_config(r) for r in cfg.rewards]
     results, full, evaluations = {}, {}, []
     progress = BarProgress()
+    from vlmrl.agent import AgentSpec
+
+    agent = AgentSpec.from_config(cfg.agent, policy.processor)  # an agentic run is evaluated with its tools
     for temperature in args.temperatures or cfg.eval.temperatures:
         progress.start(f"eval T={temperature}", len(samples))
-        res = evaluate(policy, samples, temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens,
+        res = evaluate(policy, samples, agent=agent, temperature=temperature, max_new_tokens=cfg.eval.max_new_tokens,
                        batch_size=cfg.eval.batch_size, template=cfg.data.prompt_template,
                        max_prompt_length=cfg.data.max_prompt_length, rewards=rewards, seed=cfg.trainer.seed,
                        progress=progress.advance, n=args.samples, ks=args.k or cfg.eval.pass_k,
                        reflection_words=cfg.eval.reflection_words, backtracking_words=cfg.eval.backtracking_words)
         progress.end()
-        warning = truncation_warning(res["metrics"].get("truncated_share", 0.0), "eval.max_new_tokens",
-                                     cfg.eval.max_new_tokens, f"eval T={temperature}")
+        key, budget = ("agent.turn_tokens", cfg.agent.turn_tokens) if agent else \
+            ("eval.max_new_tokens", cfg.eval.max_new_tokens)
+        warning = truncation_warning(res["metrics"].get("truncated_share", 0.0), key, budget, f"eval T={temperature}")
         if warning:
             print(f"warning: {warning}", file=sys.stderr)
         full[f"T={temperature}"] = res

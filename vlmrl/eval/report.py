@@ -39,10 +39,11 @@ def fmt(mean: float | None, std: float | None = None, pct: bool = True) -> str:
 def is_rate(key: str) -> bool:
     """Whether a metric is a share (shown in percent): not a count, length, reward, time or tokens-per-answer."""
     parts = key.split("/")
-    if "reward" in parts[:-1] or "compute" in parts or parts[-1] == "n":
+    if "reward" in parts[:-1] or "compute" in parts or parts[-1] == "n" or "tool/failures" in key \
+            or "agent/ended" in key:
         return False
     return not key.endswith(("mean_length", "samples_per_prompt", "mean_reward", "reward_failed_samples",
-                             "tokens_per_correct", "reasoning/length"))
+                             "tokens_per_correct", "reasoning/length", "_per_episode"))
 
 
 def before_after(runs: list[Run], keys: list[str] | None = None) -> list[tuple[str, str, str, str]]:

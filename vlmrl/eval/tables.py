@@ -16,7 +16,8 @@ def _cell(v, pct: bool = True) -> str:
 
 def _is_count(key: str) -> bool:
     """Metrics that count samples or failures: printed as integers, not as 3.00."""
-    return key.endswith(("/failures", "failed_samples")) or key in ("n", "samples_per_prompt")
+    return key.endswith(("/failures", "failed_samples")) or key in ("n", "samples_per_prompt") \
+        or "tool/failures" in key or "agent/ended" in key
 
 
 def _metric_cell(key: str, v, metrics: dict | None = None) -> str:
