@@ -43,13 +43,41 @@ def run_one(seed: int, arm: str, overrides: list[str], out_root: Path) -> dict:
     evals = [r for r in rows if r["phase"] == "eval"]
     train = [r for r in rows if r["phase"] == "train"]
     calls = [r.get("tool/call_rate", 0.0) for r in train]
-    quarter = max(1, len(calls) // 4)
+    quarter = max(1, -(-len(calls) // 4))  # four windows, the last one shorter when steps do not divide by 4
     print(f"seed {seed}, {arm}: {100 * evals[0]['greedy/accuracy']:.1f} -> {100 * evals[-1]['greedy/accuracy']:.1f} "
           f"in {wall:.0f} s", flush=True)
     return {"seed": seed, "arm": arm, "run_dir": str(out), "wall_seconds": wall,
             "cpu_seconds": usage.ru_utime + usage.ru_stime, "start": evals[0], "final": evals[-1],
             "curve": [(r["step"], r["greedy/accuracy"]) for r in evals],
             "tool_call_rate": [statistics.mean(calls[i:i + quarter]) for i in range(0, len(calls), quarter)]}
+
+
+def diagnose(checkpoint: str, n: int = 200) -> str:
+    """Greedy episodes on the first `n` held-out boards: how often the first zoom is on the target cell, and how
+    often the shape is named right given that (what limits the tool arm: finding the cell, or reading it)."""
+    import re
+
+    from vlmrl.agent import AgentSpec
+    from vlmrl.config import load_config
+    from vlmrl.data import make_task
+    from vlmrl.models import load_policy
+    from vlmrl.rollout.batch import make_prompts
+
+    cfg = load_config(RECIPE)
+    policy = load_policy(checkpoint, min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+    agent = AgentSpec.from_config(cfg.agent, policy.processor)
+    samples = make_task("zoom_shape", n, "test", cfg.data.seed)
+    hits = right = right_on_hit = 0
+    for start in range(0, n, 50):
+        chunk = samples[start:start + 50]
+        out = agent.rollout(policy, make_prompts(policy, chunk), chunk, 1, 0.0).rollout
+        for s, turns, text in zip(chunk, out.columns["turns"], out.texts, strict=True):
+            found = re.search(r'"box":\[([^\]]*)\]', turns[0]["text"])
+            hit = found is not None and "[" + ", ".join(found.group(1).split(",")) + "]" == s["target_box"]
+            ok = text == f"<answer>{s['solution']}</answer>"
+            hits, right, right_on_hit = hits + hit, right + ok, right_on_hit + (hit and ok)
+    return (f"{checkpoint}: zoom on the target cell {hits}/{n}; named right {right}/{n}; named right when the zoom "
+            f"was on target {right_on_hit}/{max(hits, 1)}")
 
 
 def table(results: list[dict]) -> str:
@@ -83,8 +111,13 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/vlmrl-bench/agentic_zoom")
     p.add_argument("--results", default="agentic_zoom.json", help="file name under benchmarks/results/")
     p.add_argument("--tables-only", action="store_true", help="print the table of the saved results")
+    p.add_argument("--diagnose", nargs="+", metavar="CHECKPOINT", help="where the tool arm's errors come from")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    if args.diagnose:
+        for checkpoint in args.diagnose:
+            print(diagnose(checkpoint))
+        return
     saved = ROOT / "benchmarks/results" / args.results
     if args.tables_only:
         print(table(json.loads(saved.read_text())))
