@@ -94,11 +94,11 @@ def table(results: list[dict]) -> str:
                 f"{100 * f.get('greedy/tool/call_rate', 0):.0f}% / {100 * f.get('greedy/tool/invalid_rate', 0):.0f}%",
                 f"{r['wall_seconds']:.0f} s"]) + " |")
         if rows:
-            acc = lambda arm_, key: [r[arm_][key] for r in rows]  # noqa: E731
-            gains = [b - a for a, b in zip(acc("start", "greedy/accuracy"), acc("final", "greedy/accuracy"),
-                                           strict=True)]
-            lines.append("| " + " | ".join([f"**{arm}: mean ± std**", "", mean_std(acc("start", "greedy/accuracy")),
-                                            mean_std(acc("final", "greedy/accuracy")), mean_std(gains), "", "",
+            start = [r["start"]["greedy/accuracy"] for r in rows]
+            final = [r["final"]["greedy/accuracy"] for r in rows]
+            gains = [b - a for a, b in zip(start, final, strict=True)]
+            lines.append("| " + " | ".join([f"**{arm}: mean ± std**", "", mean_std(start), mean_std(final),
+                                            mean_std(gains), "", "",
                                             f"{statistics.mean(r['wall_seconds'] for r in rows):.0f} s"]) + " |")
     return "\n".join(lines)
 
