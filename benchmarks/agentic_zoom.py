@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from quickstart_seeds import ci, mean_std, metrics
+from quickstart_seeds import ci, mean_std, metrics, timed_run
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "agentic_zoom.yaml"
@@ -33,12 +30,7 @@ def run_one(seed: int, arm: str, overrides: list[str], out_root: Path) -> dict:
     out = out_root / f"{arm.replace(' ', '_')}-seed{seed}"
     cmd = [sys.executable, "-m", "vlmrl", "train", str(RECIPE), f"trainer.seed={seed}", "trainer.threads=1",
            f"trainer.output_dir={out}", *ARMS[arm], *overrides]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    if status != 0:
-        raise RuntimeError(f"seed {seed}, {arm}: vlmrl train failed ({status}); rerun {' '.join(cmd)}")
+    wall, usage = timed_run(cmd, f"seed {seed}, {arm}")
     rows = metrics(out)
     evals = [r for r in rows if r["phase"] == "eval"]
     train = [r for r in rows if r["phase"] == "train"]

@@ -42,17 +42,23 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_one(seed: int, threads: int, overrides: list[str], out_root: Path) -> dict:
-    """One `vlmrl train` in its own process: its wall time, its own CPU time and peak memory (from wait4)."""
-    out = out_root / f"seed{seed}-threads{threads}"
-    cmd = [sys.executable, "-m", "vlmrl", "train", f"trainer.seed={seed}", f"trainer.threads={threads}",
-           f"trainer.output_dir={out}", *overrides]
+def timed_run(cmd: list[str], what: str):
+    """Run `cmd` (a `vlmrl train`) in its own process from the repository root: (wall seconds, its rusage)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if status != 0:
-        raise RuntimeError(f"seed {seed}, {threads} thread(s): vlmrl train failed ({status}); rerun {' '.join(cmd)}")
+        raise RuntimeError(f"{what}: vlmrl train failed ({status}); rerun {' '.join(cmd)}")
+    return wall, usage
+
+
+def run_one(seed: int, threads: int, overrides: list[str], out_root: Path) -> dict:
+    """One `vlmrl train` in its own process: its wall time, its own CPU time and peak memory (from wait4)."""
+    out = out_root / f"seed{seed}-threads{threads}"
+    cmd = [sys.executable, "-m", "vlmrl", "train", f"trainer.seed={seed}", f"trainer.threads={threads}",
+           f"trainer.output_dir={out}", *overrides]
+    wall, usage = timed_run(cmd, f"seed {seed}, {threads} thread(s)")
     rows = metrics(out)
     evals = [r for r in rows if r["phase"] == "eval"]
     sft = [r["time/update"] for r in rows if r["phase"] == "sft" and "time/update" in r]

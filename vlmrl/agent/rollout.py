@@ -73,9 +73,6 @@ class AgentRollout:
                 "tool_calls": calls, "tool_failures": failed,
                 "env_reward": [e.env_reward for e in self.episodes]}
 
-    def stats(self) -> dict[str, float]:
-        return agent_metrics(self.columns())
-
 
 def agent_metrics(columns: dict[str, list]) -> dict[str, float]:
     """The episodes' tool use and shape: tool calls per episode, failed calls (`tool/failures`, and per kind), the
