@@ -69,7 +69,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
 
-    import vlmrl.trainer.run as run
+    import vlmrl.trainer.job as run
     from vlmrl.cli import main as vlmrl_main
 
     profiler = cProfile.Profile(time.process_time)

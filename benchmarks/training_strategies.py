@@ -8,7 +8,7 @@ both held-out sets: 600 counting and 300 colour scenes. From its checkpoint-0 ev
 (recipes/quickstart.yaml) on counting prompts only, so the colour task is a skill that RL's reward never sees:
 
 - plain: the quickstart's RL;
-- curriculum: + `curriculum.order=learnability`, `filter_solved`, `filter_unsolved` (`filter_after=2`);
+- curriculum: + `curriculum.order=learnability`, `filter_solved`, `filter_unsolved` (`filter_after=2`, `filter_recheck=0`);
 - replay: + `replay.weight=W` on the SFT labels of both tasks (`replay.data` unset = data.sft).
 
 Each run uses one torch thread; `--jobs` runs that many at once. Finished runs are not repeated. Prints a markdown
@@ -34,7 +34,7 @@ TASKS = ["data.sft=[{task: shapes_count, n: 300}, {task: shapes_color, n: 300}]"
 ARMS = {
     "plain": [],
     "curriculum": ["curriculum.order=learnability", "curriculum.filter_solved=true", "curriculum.filter_unsolved=true",
-                   "curriculum.filter_after=2"],
+                   "curriculum.filter_after=2", "curriculum.filter_recheck=0"],  # as measured (before rechecks)
     "replay": ["replay.weight={replay_weight}"],
 }
 COUNT, COLOR = "greedy/task/shapes_count/accuracy", "greedy/task/shapes_color/accuracy"

@@ -76,7 +76,7 @@ def test_learnability_weights_by_hand_and_draw_frequencies():
 
 # -- online filtering ------------------------------------------------------------------------------------------------
 def test_filter_drops_always_and_never_solved_prompts_and_counts_them():
-    c = curriculum(n=6, filter_solved=True, filter_unsolved=True, filter_after=1)
+    c = curriculum(n=6, filter_solved=True, filter_unsolved=True, filter_after=1, filter_recheck=0.0)
     c.observe(0, [True, True, True])  # always solved
     c.observe(1, [False, False, False])  # never solved
     c.observe(2, [True, False, True])  # signal: kept
@@ -86,6 +86,36 @@ def test_filter_drops_always_and_never_solved_prompts_and_counts_them():
     assert c.skipped["solved"] >= 3 and c.skipped["unsolved"] >= 3  # stepped over in each pass
     c.observe(0, [True, False, False])  # a draw with signal (a refill) lifts the filter
     assert 0 not in c.filtered
+
+
+def test_a_filtered_prompt_is_rechecked_at_its_rate_and_a_signal_lifts_its_filter():
+    # random order, 4 prompts, prompt 0 filtered: each pass reaches it once and takes it with probability 0.25
+    c = curriculum(n=4, filter_solved=True, filter_after=1, filter_recheck=0.25)
+    c.observe(0, [True, True])
+    passes = 4000
+    drawn = [i for _ in range(passes) for i in c.next(3)]  # the 3 open prompts once per pass, plus the rechecks
+    passes_done = c.epoch + 1
+    rechecks = drawn.count(0)
+    assert rechecks == c.rechecked and abs(c.skipped["solved"] + c.rechecked - passes_done) <= 1  # the last pass
+    assert rechecks / passes_done == pytest.approx(0.25, abs=0.02)
+    assert c.metrics()["curriculum/rechecked"] == rechecks
+    c.observe(0, [True, False])  # the recheck found a signal: back in every pass
+    assert 0 not in c.filtered
+    # learnability: prompt 0 (p = 2/3 after one solved draw) at 0.25 x 2/9 against 1/4 for the two unseen prompts
+    w = curriculum(n=3, order="learnability", filter_solved=True, filter_after=1, filter_recheck=0.25)
+    w.observe(0, [True])
+    counts = [0, 0, 0]
+    for step in range(1, 6001):
+        w.set_step(step)
+        counts[w.next(1)[0]] += 1
+    assert counts[0] / 6000 == pytest.approx((0.25 * 2 / 9) / (0.25 * 2 / 9 + 0.5), abs=0.015)  # = 0.1
+    assert w.rechecked == counts[0]
+    z = curriculum(n=3, order="learnability", filter_solved=True, filter_after=1, filter_recheck=0.0)
+    z.observe(0, [True])
+    for step in range(1, 200):
+        z.set_step(step)
+        assert z.next(1) != [0]  # 0: skipped for good
+    assert z.rechecked == 0
 
 
 def test_filter_after_needs_that_many_draws_in_a_row():

@@ -186,6 +186,9 @@ class CurriculumConfig:
     filter_solved: bool = False
     filter_unsolved: bool = False
     filter_after: PositiveInt = 2
+    # a filtered prompt is still drawn with this probability when a draw reaches it (weighted orders: its weight is
+    # scaled by it), so one the policy has since forgotten is found again (curriculum/rechecked); 0 = skip for good
+    filter_recheck: UnitInterval = 0.25
 
 
 @section

@@ -11,10 +11,13 @@
 - order "random": shuffled passes, as `PromptStream`.
 
 With `filter_solved` / `filter_unsolved`, a prompt whose last `filter_after` draws were all solved by every answer
-(or by none) is skipped from then on: its group would have all-equal rewards (a later draw, e.g. a refill, that
-is not all-equal lifts its filter). If fewer prompts than a draw needs remain open, the filter is lifted for that
-draw (counted in `refills`), so a run never stalls. `skipped_*` counts the filtered prompts a random-order pass
-stepped over.
+(or by none) is skipped: its group would have all-equal rewards. Skipping is not forever: each time a draw would
+take a filtered prompt it takes it anyway with probability `filter_recheck` (in the weighted orders: its weight is
+scaled by `filter_recheck`), so a prompt the policy has since forgotten (or learned) is found again, and a draw
+that is not all-equal lifts its filter (selective rollouts, GRESO, Zheng et al. 2025; a filter that never rechecks
+lets the policy drift on everything it filtered). If fewer prompts than a draw needs remain open, the filter is
+lifted for that draw (counted in `refills`), so a run never stalls. `skipped_*` counts the filtered prompts a
+random-order pass stepped over, `rechecked` the ones it took anyway.
 
 Pass rates come from `observe` (the share of a prompt's answers that `correctness` accepts), called by the RL step
 for every group it generated, dynamic-sampling rounds included. The counts and draw positions are part of `state()`,
@@ -72,7 +75,7 @@ class Curriculum(PromptStream):
         self.recent: dict[int, list[float]] = {}  # prompt -> pass rates of its last `filter_after` draws
         self.filtered: dict[int, str] = {}  # prompt -> "solved" / "unsolved"
         self.skipped = {"solved": 0, "unsolved": 0}
-        self.refills, self.step, self.drawn_this_step = 0, 1, set()
+        self.refills, self.rechecked, self.step, self.drawn_this_step = 0, 0, 1, set()
 
     # -- drawing -----------------------------------------------------------------------------------------------------
     def set_step(self, step: int) -> None:
@@ -106,9 +109,18 @@ class Curriculum(PromptStream):
             reason = self.filtered.get(i)
             if reason is None:
                 out.append(i)
+            elif self._recheck():
+                self.rechecked += 1
+                out.append(i)
             else:
                 self.skipped[reason] += 1
         return out
+
+    def _recheck(self) -> bool:
+        """Whether a filtered prompt the pass reached is drawn anyway (probability filter_recheck). The generator
+        is used only here, so a run whose filters never fire draws exactly the prompts of shuffled passes."""
+        p = self.cfg.filter_recheck
+        return p > 0 and torch.rand((), generator=self.generator, dtype=torch.float64).item() < p
 
     def _next_weighted(self, k: int) -> list[int]:
         if self.cfg.order == "easy_to_hard":
@@ -119,12 +131,17 @@ class Curriculum(PromptStream):
             weight = self.learnability
         fresh = [i for i in pool if i not in self.drawn_this_step] or pool
         open_ = [i for i in fresh if i not in self.filtered]
+        scale = {}  # filtered prompts kept in the pool, at filter_recheck times their weight
         if len(open_) < min(k, len(fresh)):
             self.refills += 1
             open_ = fresh
-        weights = torch.tensor([weight(i) for i in open_], dtype=torch.float64)
+        elif self.cfg.filter_recheck > 0 and len(open_) < len(fresh):
+            open_ = fresh
+            scale = dict.fromkeys(self.filtered, self.cfg.filter_recheck)
+        weights = torch.tensor([weight(i) * scale.get(i, 1.0) for i in open_], dtype=torch.float64)
         take = torch.multinomial(weights, min(k, len(open_)), replacement=False, generator=self.generator).tolist()
         out = [open_[j] for j in take]
+        self.rechecked += sum(i in scale for i in out)
         while len(out) < k:  # more prompts asked than open ones: repeat them (a tiny data.train)
             out += [open_[j] for j in torch.randperm(len(open_), generator=self.generator).tolist()][:k - len(out)]
         return out
@@ -160,7 +177,7 @@ class Curriculum(PromptStream):
                 "curriculum/filtered_unsolved": float(filtered.count("unsolved")),
                 "curriculum/skipped_solved": float(self.skipped["solved"]),
                 "curriculum/skipped_unsolved": float(self.skipped["unsolved"]),
-                "curriculum/refills": float(self.refills),
+                "curriculum/refills": float(self.refills), "curriculum/rechecked": float(self.rechecked),
                 "curriculum/mean_pass_rate_seen": (sum(self.solved[i] / self.answers[i] for i in seen) / len(seen)
                                                    if seen else 0.0)}
 
@@ -168,7 +185,7 @@ class Curriculum(PromptStream):
         return {**super().state(), "solved": list(self.solved), "answers": list(self.answers),
                 "recent": {str(i): r for i, r in self.recent.items()},
                 "filtered": {str(i): why for i, why in self.filtered.items()}, "skipped": dict(self.skipped),
-                "refills": self.refills, "step": self.step, "drawn_this_step": sorted(self.drawn_this_step)}
+                "refills": self.refills, "rechecked": self.rechecked, "step": self.step, "drawn_this_step": sorted(self.drawn_this_step)}
 
     def load(self, state: dict) -> None:
         super().load(state)
@@ -178,6 +195,7 @@ class Curriculum(PromptStream):
         self.recent = {int(i): list(r) for i, r in state["recent"].items()}
         self.filtered = {int(i): why for i, why in state["filtered"].items()}
         self.skipped, self.refills = dict(state["skipped"]), state["refills"]
+        self.rechecked = state.get("rechecked", 0)
         self.step, self.drawn_this_step = state["step"], set(state["drawn_this_step"])
 
 
