@@ -77,10 +77,13 @@ class JudgeServer:
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            _counted = False  # a POST counted in server.in_flight that has not answered yet
+
             def log_message(self, *args) -> None:  # quiet
                 pass
 
             def _send(self, status: int, body: bytes, headers: dict | None = None) -> None:
+                self._leave()
                 try:
                     self.send_response(status)
                     self.send_header("Content-Type", "application/json")
@@ -100,6 +103,7 @@ class JudgeServer:
                 self._send(200, json.dumps({"object": "list", "data": models}).encode())
 
             def _disconnect(self) -> None:  # promise a body, send half of it, close
+                self._leave()
                 body = json.dumps(completion("model", "[RELEVANT]")).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -120,9 +124,17 @@ class JudgeServer:
                     server.headers.append(dict(self.headers))
                     server.in_flight += 1
                     server.max_in_flight = max(server.max_in_flight, server.in_flight)
+                self._counted = True
                 try:
                     self._answer(body)
                 finally:
+                    self._leave()
+
+            def _leave(self) -> None:
+                """The request stops counting as in flight before its answer is written: once the client has the
+                answer it may send the next request, which can arrive before this thread gets to run again."""
+                if self._counted:
+                    self._counted = False
                     with server._lock:
                         server.in_flight -= 1
 

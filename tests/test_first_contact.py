@@ -91,7 +91,7 @@ def test_out_of_range_or_wrong_type_override_is_refused(key, tp, value, tmp_path
     assert err.startswith(f"error: {key}: ") and err.count("\n") == 1, err
     assert f"expected {allowed(tp)}" in err, err
     assert not run.exists() and list(tmp_path.iterdir()) == []
-    assert seconds < 1.0
+    assert seconds < 5.0  # refused before any model or data is built (a run takes far longer; loose for loaded CI)
 
 
 def test_allowed_text_names_the_range():
