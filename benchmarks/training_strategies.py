@@ -7,7 +7,7 @@ Per seed, one SFT warm-start on two tasks: 300 counting and 300 colour labels (`
 both held-out sets: 600 counting and 300 colour scenes. From its checkpoint-0 every arm runs the quickstart's RL
 (recipes/quickstart.yaml) on counting prompts only, so the colour task is a skill that RL's reward never sees:
 
-- plain: the quickstart's RL;
+- plain: the quickstart's RL, as measured: 3 resampling rounds and no filter (`AS_MEASURED`);
 - curriculum: + `curriculum.order=learnability`, `filter_solved`, `filter_unsolved` (`filter_after=2`, `filter_recheck=0`);
 - replay: + `replay.weight=W` on the SFT labels of both tasks (`replay.data` unset = data.sft).
 
@@ -29,7 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ["data.sft=[{task: shapes_count, n: 300}, {task: shapes_color, n: 300}]",
+# the quickstart's RL as these arms were measured (before it skipped solved prompts and took 6 resampling rounds)
+AS_MEASURED = ["curriculum.filter_solved=false", "algorithm.max_resample_rounds=3"]
+TASKS = [*AS_MEASURED, "data.sft=[{task: shapes_count, n: 300}, {task: shapes_color, n: 300}]",
          "data.eval=[{task: shapes_count, n: 600}, {task: shapes_color, n: 300}]"]
 ARMS = {
     "plain": [],

@@ -46,8 +46,8 @@ def test_a_mixed_batch_counts_each_injected_failure_once():
     rules = {"A1": "ok", "A2": "500", "A3": "null", "A4": "null_length", "A5": "length", "A6": "disconnect",
              "A7": "400image", "A8": "slow"}
     answers = list(rules)
-    with JudgeServer(rules=rules, slow_seconds=1.0) as server:
-        out, m = score(spec_for(server.base_url, max_retries=0, timeout=0.3), answers)
+    with JudgeServer(rules=rules, slow_seconds=2.0) as server:  # timeout 0.6: margin for a loaded machine
+        out, m = score(spec_for(server.base_url, max_retries=0, timeout=0.6), answers)
     assert out.components["judge"] == [0.0] + [None] * 7  # "A1" != "red": a verdict of 0.0
     assert out.failures["judge"] == 7 and m["reward/judge/failures"] == 7 and out.failed.sum() == 7
     assert outcomes(m) == {"verdicts": 1, "http_failures": 4, "no_verdict": 1, "cut_at_max_tokens": 2}
