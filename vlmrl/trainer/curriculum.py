@@ -131,17 +131,19 @@ class Curriculum(PromptStream):
             weight = self.learnability
         fresh = [i for i in pool if i not in self.drawn_this_step] or pool
         open_ = [i for i in fresh if i not in self.filtered]
-        scale = {}  # filtered prompts kept in the pool, at filter_recheck times their weight
+        rechecking = False  # filtered prompts left in the pool, at filter_recheck times their weight
         if len(open_) < min(k, len(fresh)):
             self.refills += 1
             open_ = fresh
         elif self.cfg.filter_recheck > 0 and len(open_) < len(fresh):
-            open_ = fresh
-            scale = dict.fromkeys(self.filtered, self.cfg.filter_recheck)
-        weights = torch.tensor([weight(i) * scale.get(i, 1.0) for i in open_], dtype=torch.float64)
+            open_, rechecking = fresh, True
+        factor = self.cfg.filter_recheck if rechecking else 1.0
+        weights = torch.tensor([weight(i) * (factor if i in self.filtered else 1.0) for i in open_],
+                               dtype=torch.float64)
         take = torch.multinomial(weights, min(k, len(open_)), replacement=False, generator=self.generator).tolist()
         out = [open_[j] for j in take]
-        self.rechecked += sum(i in scale for i in out)
+        if rechecking:
+            self.rechecked += sum(i in self.filtered for i in out)
         while len(out) < k:  # more prompts asked than open ones: repeat them (a tiny data.train)
             out += [open_[j] for j in torch.randperm(len(open_), generator=self.generator).tolist()][:k - len(out)]
         return out
