@@ -144,6 +144,23 @@ def test_hooks_reproduce_the_models_own_forward(family, family_dirs, mixed_sampl
         assert torch.allclose(ours, theirs, atol=1e-4), (sample["id"], (ours - theirs).abs().max())
 
 
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if f.startswith("qwen")])
+def test_remembered_mrope_positions_are_transformers_batched_ones(family, family_dirs, mixed_samples):
+    """The positions computed row by row and remembered per layout equal `get_rope_index` over the padded batch,
+    on a first call, on a call that hits every entry, and with the rows reordered (other padding, other neighbours)."""
+    policy = load_policy(family_dirs[family])
+    family_hooks = policy.family
+    family_hooks.rope_rows.clear()
+    for order in ([0, 1, 2, 3], [0, 1, 2, 3], [3, 2, 0, 1], [1, 3]):
+        batch = make_prompts(policy, [mixed_samples[i] for i in order])
+        ours = family_hooks.positions(batch, batch.input_ids, batch.attention_mask)
+        theirs, _ = family_hooks.inner.get_rope_index(
+            input_ids=batch.input_ids, mm_token_type_ids=batch.mm_token_type_ids,
+            image_grid_thw=batch.vision["image_grid_thw"], attention_mask=batch.attention_mask)
+        assert torch.equal(ours, theirs), (order, (ours != theirs).nonzero()[:5])
+    assert len(family_hooks.rope_rows) == 4  # one entry per layout: repeated layouts are computed once
+
+
 @pytest.mark.parametrize("family", sorted(HF_PROCESSORS))
 def test_placeholders_match_transformers_processor(family, family_dirs, mixed_samples):
     import transformers

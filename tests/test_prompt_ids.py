@@ -249,3 +249,19 @@ def test_bos_as_the_family_processor_adds_it(family, policies, samples):
         assert firsts == {tok.bos_token_id} and bos_counts == [1] * len(samples), (family, firsts, bos_counts)
     else:
         assert tok.bos_token_id is None or tok.bos_token_id not in firsts
+
+
+def test_remembered_prompts_follow_the_system_prompt_and_match_a_fresh_processor(family_dirs, samples):
+    """Prompt texts and token ids are remembered per prompt: a second draw gives the same batch, setting a system
+    prompt afterwards (as agentic runs do) changes the next one, and both equal what a fresh processor builds."""
+    policy, fresh = load_policy(family_dirs["qwen2_vl"]), load_policy(family_dirs["qwen2_vl"])
+    proc = policy.processor
+    args = ([s["problem"] for s in samples], [s["images"] for s in samples], [s["id"] for s in samples])
+    first, again = proc(*args), proc(*args)
+    assert proc.prompt_texts and proc.token_rows
+    assert torch.equal(first.input_ids, again.input_ids) and torch.equal(first.attention_mask, again.attention_mask)
+    proc.system_prompt = fresh.processor.system_prompt = "Answer with one number."
+    told, reference = proc(*args), fresh.processor(*args)
+    assert told.input_ids.shape != first.input_ids.shape or not torch.equal(told.input_ids, first.input_ids)
+    assert torch.equal(told.input_ids, reference.input_ids)
+    assert torch.equal(told.attention_mask, reference.attention_mask)

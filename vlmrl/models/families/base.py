@@ -142,6 +142,8 @@ class VLProcessor:
             raise ValueError(f"{type(self).__name__} needs the model config (config=...) for its placeholder counts")
         self.options = self.options_from_config(config) if config is not None else {}
         self.image_cache = ImageCache()
+        self.prompt_texts: dict[tuple, str] = {}  # see `prompt_text`
+        self.token_rows: dict[str, list[int]] = {}  # see `tokenize`
 
     # -- construction and saving ---------------------------------------------------------------------------------
     def options_from_config(self, config) -> dict:
@@ -177,9 +179,18 @@ class VLProcessor:
 
     # -- the text side ---------------------------------------------------------------------------------------------
     def prompt_text(self, problem: str, n_images: int) -> str:
-        """The chat-formatted prompt: one user turn with the images first, then the problem; generation prompt on."""
-        content = [{"type": "image"}] * n_images + [{"type": "text", "text": problem}]
-        return self.chat_text([{"role": "user", "content": content}])
+        """The chat-formatted prompt: one user turn with the images first, then the problem; generation prompt on.
+        Remembered per (problem, images, system prompt, template): a task asks few distinct questions, and the
+        template's render cost ~0.2 ms per prompt, every time a prompt was drawn."""
+        key = (problem, n_images, self.system_prompt, self.chat_template)
+        text = self.prompt_texts.get(key)
+        if text is None:
+            content = [{"type": "image"}] * n_images + [{"type": "text", "text": problem}]
+            text = self.chat_text([{"role": "user", "content": content}])
+            if len(self.prompt_texts) >= 1024:  # bounded: a dataset of many questions starts over
+                self.prompt_texts.clear()
+            self.prompt_texts[key] = text
+        return text
 
     def chat_text(self, messages: list[dict]) -> str:
         """A conversation (`{"role", "content": [{"type": "image"} | {"type": "text", "text"}]}` turns) rendered
@@ -236,7 +247,13 @@ class VLProcessor:
         tokenizer: `<s>`) and the chat template did not already write it (Gemma 3's writes `<bos>`, as
         `ProcessorMixin.apply_chat_template` checks); nothing else (no EOS at the end of a prompt)."""
         bos = self.tokenizer.bos_token
-        rows = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        missing = list(dict.fromkeys(t for t in texts if t not in self.token_rows))
+        if missing:  # remembered per expanded text (a prompt is tokenised again every time it is drawn)
+            if len(self.token_rows) + len(missing) > 1024:
+                self.token_rows.clear()
+            self.token_rows.update(zip(missing, self.tokenizer(missing, add_special_tokens=False)["input_ids"],
+                                       strict=True))
+        rows = [self.token_rows[t] for t in texts]
         if self.prompt_bos_id is not None:
             rows = [([] if t.startswith(bos) else [self.prompt_bos_id]) + r for t, r in zip(texts, rows, strict=True)]
         width = max(len(r) for r in rows)

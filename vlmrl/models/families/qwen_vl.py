@@ -124,6 +124,7 @@ class QwenVLFamily(VLFamily):
 
     def __init__(self, model):
         super().__init__(model)
+        self.rope_rows: dict[tuple[bytes, tuple[int, ...]], Tensor] = {}  # see `positions`
         patch_embed_as_linear(self.inner.visual.patch_embed.proj)
         from transformers.models.qwen2_vl.modeling_qwen2_vl import VisionAttention
         for block in getattr(self.inner.visual, "blocks", []):
@@ -138,12 +139,30 @@ class QwenVLFamily(VLFamily):
         return torch.cat(self.vision_output(batch).pooler_output, dim=0), {}
 
     def positions(self, batch: PromptBatch, ids: Tensor, mask: Tensor) -> Tensor:
+        """`get_rope_index` row by row, remembered by what it reads: a row's positions are a function of its real
+        tokens' types (text or image) and its images' grids only, so prompts of one layout share one entry
+        (transformers' Python loop cost ~0.4 ms per row, ~7 ms of a 16-prompt rollout call). Padding gets 0."""
         if not batch.vision:
             return super().positions(batch, ids, mask)
-        position_ids, _ = self.inner.get_rope_index(
-            input_ids=ids, mm_token_type_ids=batch.mm_token_type_ids.to(ids.device),
-            image_grid_thw=batch.vision["image_grid_thw"].to(ids.device), attention_mask=mask)
-        return position_ids
+        grids = batch.vision["image_grid_thw"].cpu()
+        real_rows, types = mask.bool().cpu(), batch.mm_token_type_ids.cpu()
+        out = torch.zeros(3, *ids.shape, dtype=ids.dtype)
+        first = 0
+        for row, count in enumerate(batch.images_per_prompt):
+            real = real_rows[row]
+            row_types, row_grids = types[row][real], grids[first:first + count]
+            first += count
+            key = (row_types.numpy().tobytes(), tuple(row_grids.flatten().tolist()))
+            pos = self.rope_rows.get(key)
+            if pos is None:
+                pos = self.inner.get_rope_index(input_ids=ids[row:row + 1, real.to(ids.device)].cpu(),
+                                                mm_token_type_ids=row_types[None],
+                                                image_grid_thw=row_grids)[0][:, 0]
+                if len(self.rope_rows) >= 1024:  # bounded: a dataset of many layouts starts over
+                    self.rope_rows.clear()
+                self.rope_rows[key] = pos
+            out[:, row, real] = pos
+        return out.to(ids.device)
 
     def text_positions(self, position_ids: Tensor) -> Tensor:
         return position_ids  # all three M-RoPE rows
