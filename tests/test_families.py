@@ -161,6 +161,25 @@ def test_remembered_mrope_positions_are_transformers_batched_ones(family, family
     assert len(family_hooks.rope_rows) == 4  # one entry per layout: repeated layouts are computed once
 
 
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if f.startswith("qwen")])
+def test_vision_tower_with_remembered_position_ids_equals_transformers_own(family, family_dirs, mixed_samples):
+    """The vision tower given its rotary position ids precomputed per image grid (`image_position_ids`) returns
+    exactly what it returns computing them itself, for images of different grids, on a first call and on a hit."""
+    policy = load_policy(family_dirs[family])
+    hooks = policy.family
+    hooks.vision_rows.clear()
+    batch = make_prompts(policy, mixed_samples)
+    grid = batch.vision["image_grid_thw"]
+    assert len({tuple(g) for g in grid.tolist()}) > 1, "the batch should hold images of different grids"
+    with torch.no_grad():
+        theirs = torch.cat(hooks.inner.get_image_features(batch.vision["pixel_values"], grid,
+                                                          return_dict=True).pooler_output)
+        for _ in range(2):
+            ours, _ = hooks.image_features(batch)
+            assert torch.equal(ours, theirs), (ours - theirs).abs().max()
+    assert len(hooks.vision_rows) == len({tuple(g) for g in grid.tolist()})
+
+
 @pytest.mark.parametrize("family", sorted(HF_PROCESSORS))
 def test_placeholders_match_transformers_processor(family, family_dirs, mixed_samples):
     import transformers
