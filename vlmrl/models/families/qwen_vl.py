@@ -181,6 +181,9 @@ class QwenVLFamily(VLFamily):
                     self.rope_rows.clear()
                 self.rope_rows[key] = pos
             out[:, row, real] = pos
+        if len(batch.images_per_prompt) != len(ids) or first != len(grids):  # every row and every image placed
+            raise ValueError(f"prompt batch {batch.sample_ids[:3]}...: images_per_prompt {batch.images_per_prompt} "
+                             f"does not match its {len(ids)} rows and {len(grids)} images")
         return out.to(ids.device)
 
     def text_positions(self, position_ids: Tensor) -> Tensor:
