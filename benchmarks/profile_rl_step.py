@@ -16,6 +16,8 @@ import cProfile
 import pstats
 import sys
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 # (label, a substring of the function's file path, function name, only the time reached from this caller or None):
@@ -60,39 +62,56 @@ def stage_table(stats: pstats.Stats, steps: int, total_cpu: float) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def step_args(doc: str, steps: int, name: str) -> argparse.Namespace:
+    """The command line of the RL-step benchmarks: START, --steps, --threads, --out, KEY=VALUE overrides."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("start", help="vlmrl checkpoint to start RL from")
-    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=f"/tmp/vlmrl-bench/profile-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--out", default=f"/tmp/vlmrl-bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("overrides", nargs="*")
-    args = p.parse_args()
+    return p.parse_args()
 
-    import vlmrl.trainer.job as run
+
+def run_steps(args: argparse.Namespace, warmup: int, around: Callable[[], AbstractContextManager]) -> None:
+    """`vlmrl train` from START with no SFT and no evaluation, in this process: `warmup` RL steps, then
+    `args.steps` more, each run inside `around()` (what the benchmark measures). Exits on a failed run."""
+    import vlmrl.trainer.job as job
     from vlmrl.cli import main as vlmrl_main
 
-    profiler = cProfile.Profile(time.process_time)
-    step, seen, cpu = run.rl_step, [0], [0.0]
+    step, seen = job.rl_step, [0]
 
-    def profiled_step(*a, **kw):
+    def measured_step(*a, **kw):
         seen[0] += 1
-        if seen[0] == 1:  # warm-up step: not profiled
+        if seen[0] <= warmup:
             return step(*a, **kw)
+        with around():
+            return step(*a, **kw)
+
+    job.rl_step = measured_step
+    code = vlmrl_main(["train", f"model.name_or_path={args.start}", "sft.steps=0",
+                       f"trainer.steps={args.steps + warmup}", f"trainer.threads={args.threads}",
+                       "trainer.eval_every=0", f"trainer.output_dir={args.out}", *args.overrides])
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    args = step_args(__doc__, 20, "profile")
+    profiler = cProfile.Profile(time.process_time)
+    cpu = [0.0]
+
+    @contextmanager
+    def profiled():
         c0 = time.process_time()
         profiler.enable()
         try:
-            return step(*a, **kw)
+            yield
         finally:
             profiler.disable()
             cpu[0] += time.process_time() - c0
 
-    run.rl_step = profiled_step
-    code = vlmrl_main(["train", f"model.name_or_path={args.start}", "sft.steps=0", f"trainer.steps={args.steps + 1}",
-                       f"trainer.threads={args.threads}", "trainer.eval_every=0", f"trainer.output_dir={args.out}",
-                       *args.overrides])
-    if code:
-        sys.exit(code)
+    run_steps(args, 1, profiled)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     profiler.dump_stats(Path(args.out) / "rl_step.prof")
     print(f"\n{args.steps} profiled steps (after 1 warm-up), {args.threads} thread(s), CPU time:\n")

@@ -12,10 +12,12 @@ breakdown under cProfile instead.
 
 from __future__ import annotations
 
-import argparse
-import sys
+import importlib
 import time
 from collections import Counter, defaultdict
+from contextlib import contextmanager
+
+from profile_rl_step import run_steps, step_args
 
 # (module, attribute, label): wrapped while a measured step runs; classes are patched on the class itself
 STAGES = [
@@ -33,20 +35,8 @@ STAGES = [
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("start", help="vlmrl checkpoint to start RL from")
-    p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", default=f"/tmp/vlmrl-bench/walltime-{time.strftime('%Y%m%d-%H%M%S')}")
-    p.add_argument("overrides", nargs="*")
-    args = p.parse_args()
-
-    import importlib
-
-    import vlmrl.trainer.job as job
-    from vlmrl.cli import main as vlmrl_main
-
-    spent, calls, measuring = defaultdict(float), Counter(), [False]
+    args = step_args(__doc__, 150, "walltime")
+    spent, calls, measuring, total = defaultdict(float), Counter(), [False], [0.0]
 
     def timed(fn, label):
         def wrapper(*a, **kw):
@@ -66,25 +56,16 @@ def main() -> None:
         owner = getattr(owner, cls) if cls else owner
         setattr(owner, name, timed(getattr(owner, name), label))
 
-    step, seen, total = job.rl_step, [0], [0.0]
-
-    def measured_step(*a, **kw):
-        seen[0] += 1
-        if seen[0] <= 2:  # warm-up
-            return step(*a, **kw)
+    @contextmanager
+    def clocked():
         measuring[0], t0 = True, time.perf_counter()
         try:
-            return step(*a, **kw)
+            yield
         finally:
             total[0] += time.perf_counter() - t0
             measuring[0] = False
 
-    job.rl_step = measured_step
-    code = vlmrl_main(["train", f"model.name_or_path={args.start}", "sft.steps=0", f"trainer.steps={args.steps + 2}",
-                       f"trainer.threads={args.threads}", "trainer.eval_every=0", f"trainer.output_dir={args.out}",
-                       *args.overrides])
-    if code:
-        sys.exit(code)
+    run_steps(args, 2, clocked)
     n = args.steps
     print(f"\n{n} measured steps (after 2 warm-up), {args.threads} thread(s), wall time:\n")
     print("| stage | wall ms / step | calls / step | share of step |\n|---|---|---|---|")
