@@ -101,6 +101,11 @@ def test_a_filtered_prompt_is_rechecked_at_its_rate_and_a_signal_lifts_its_filte
     assert c.metrics()["curriculum/rechecked"] == rechecks
     c.observe(0, [True, False])  # the recheck found a signal: back in every pass
     assert 0 not in c.filtered
+    c.observe(1, [False, False])  # an open prompt's group without a signal
+    # the first draw of 0 was open (all right), the second filtered (a signal), then 1 open (all wrong)
+    assert {k: v for k, v in c.metrics().items() if k.startswith("curriculum/groups_")} == {
+        "curriculum/groups_filtered": 1.0, "curriculum/groups_filtered_signal": 1.0,
+        "curriculum/groups_open": 2.0, "curriculum/groups_open_signal": 0.0}
     # learnability: prompt 0 (p = 2/3 after one solved draw) at 0.25 x 2/9 against 1/4 for the two unseen prompts
     w = curriculum(n=3, order="learnability", filter_solved=True, filter_after=1, filter_recheck=0.25)
     w.observe(0, [True])

@@ -76,6 +76,8 @@ class Curriculum(PromptStream):
         self.filtered: dict[int, str] = {}  # prompt -> "solved" / "unsolved"
         self.skipped = {"solved": 0, "unsolved": 0}
         self.refills, self.rechecked, self.step, self.drawn_this_step = 0, 0, 1, set()
+        # groups observed while their prompt was filtered (rechecks, refills) or open, and how many had a signal
+        self.groups = {"filtered": 0, "filtered_signal": 0, "open": 0, "open_signal": 0}
 
     # -- drawing -----------------------------------------------------------------------------------------------------
     def set_step(self, step: int) -> None:
@@ -160,6 +162,9 @@ class Curriculum(PromptStream):
     def observe(self, index: int, correct: Sequence[bool]) -> None:
         """Record one group: prompt `index` was answered len(correct) times, sum(correct) of them right."""
         solved, answers = sum(map(bool, correct)), len(correct)
+        kind = "filtered" if index in self.filtered else "open"
+        self.groups[kind] += 1
+        self.groups[f"{kind}_signal"] += 0 < solved < answers
         self.solved[index] += solved
         self.answers[index] += answers
         recent = (self.recent.get(index, []) + [solved / answers])[-self.cfg.filter_after:]
@@ -180,6 +185,7 @@ class Curriculum(PromptStream):
                 "curriculum/skipped_solved": float(self.skipped["solved"]),
                 "curriculum/skipped_unsolved": float(self.skipped["unsolved"]),
                 "curriculum/refills": float(self.refills), "curriculum/rechecked": float(self.rechecked),
+                **{f"curriculum/groups_{k}": float(v) for k, v in self.groups.items()},
                 "curriculum/mean_pass_rate_seen": (sum(self.solved[i] / self.answers[i] for i in seen) / len(seen)
                                                    if seen else 0.0)}
 
@@ -187,7 +193,8 @@ class Curriculum(PromptStream):
         return {**super().state(), "solved": list(self.solved), "answers": list(self.answers),
                 "recent": {str(i): r for i, r in self.recent.items()},
                 "filtered": {str(i): why for i, why in self.filtered.items()}, "skipped": dict(self.skipped),
-                "refills": self.refills, "rechecked": self.rechecked, "step": self.step, "drawn_this_step": sorted(self.drawn_this_step)}
+                "refills": self.refills, "rechecked": self.rechecked, "groups": dict(self.groups), "step": self.step,
+                "drawn_this_step": sorted(self.drawn_this_step)}
 
     def load(self, state: dict) -> None:
         super().load(state)
@@ -198,6 +205,7 @@ class Curriculum(PromptStream):
         self.filtered = {int(i): why for i, why in state["filtered"].items()}
         self.skipped, self.refills = dict(state["skipped"]), state["refills"]
         self.rechecked = state.get("rechecked", 0)
+        self.groups = {**self.groups, **state.get("groups", {})}
         self.step, self.drawn_this_step = state["step"], set(state["drawn_this_step"])
 
 
