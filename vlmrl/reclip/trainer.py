@@ -23,6 +23,7 @@ import torch
 
 from vlmrl.config import ConfigError, save_config
 from vlmrl.data import DataError
+from vlmrl.optim import adamw
 from vlmrl.reclip.config import ReclipConfig, validate
 from vlmrl.reclip.data import ZeroShotSet, build_items, zero_shot_sets
 from vlmrl.reclip.embedded import EmbeddedConfig, EmbeddedStudent
@@ -101,7 +102,7 @@ class Job:
 
 
 def _optimizer(student: TwoTower, lr: float) -> torch.optim.Optimizer:
-    return torch.optim.AdamW([p for p in student.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    return adamw([p for p in student.parameters() if p.requires_grad], lr, weight_decay=0.0)
 
 
 def prepare(cfg: ReclipConfig, progress: Progress) -> Job:

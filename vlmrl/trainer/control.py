@@ -29,6 +29,7 @@ from vlmrl.data import build_dataset
 from vlmrl.errors import ConfigError, PathError, TrainingError
 from vlmrl.models import load_policy
 from vlmrl.models.policy import Policy
+from vlmrl.optim import adamw
 from vlmrl.rewards import RewardSpec
 from vlmrl.trainer.checkpoint import checkpoint_problem, save_checkpoint, step_checkpoints
 from vlmrl.trainer.logger import MetricsLogger
@@ -113,7 +114,7 @@ def sft_control(cfg: Config, start: str | Path, seconds: float, out_dir: Path, e
     if not sft_set:
         raise ConfigError("control sft: data.sft is empty; the control needs the labelled set")
     rewards = reward_specs(cfg)
-    optimizer = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=c.lr)
+    optimizer = adamw([p for p in policy.model.parameters() if p.requires_grad], c.lr)
     generator = torch.Generator().manual_seed(t.seed)
     logger = MetricsLogger(out_dir, t.tensorboard)
     logger.log(start_eval, 0, "eval")  # the control starts where RL started: the same checkpoint-0 numbers

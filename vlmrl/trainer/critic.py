@@ -15,6 +15,7 @@ from vlmrl.models.batch import PromptBatch
 from vlmrl.models.forward import sequence_logprobs
 from vlmrl.models.policy import Policy
 from vlmrl.models.scoring import score_batch
+from vlmrl.optim import adamw
 
 
 class Critic:
@@ -32,7 +33,7 @@ class Critic:
         params = list(self.head.parameters())
         if mode == "separate":
             params += [p for p in self.trunk.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=lr)
+        self.optimizer = adamw(params, lr)
 
     def values_from_hidden(self, hidden: Tensor, mask: Tensor) -> Tensor:
         """V_t [N, T] from the hidden states that predict token t (0 on padding)."""

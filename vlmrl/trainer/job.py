@@ -20,6 +20,7 @@ from vlmrl.eval.metrics import marker_sets
 from vlmrl.models.policy import Policy
 from vlmrl.models.reference import Reference
 from vlmrl.models.trainable import disable_dropout
+from vlmrl.optim import adamw
 from vlmrl.rewards import RewardSpec
 from vlmrl.trainer.checkpoint import (
     begin_checkpoint,
@@ -172,7 +173,7 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
                           "prompts only; remove the curriculum/replay sections or data.preferences")
     forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
     params = [p for p in policy.model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
+    optimizer = adamw(params, t.lr, t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps))
     if curriculum:
         order = cfg.curriculum.order

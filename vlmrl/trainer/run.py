@@ -22,6 +22,7 @@ from vlmrl.eval.samples import EVAL_SAMPLES, write_samples
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
 from vlmrl.models.trainable import configure_training, start_lora
+from vlmrl.optim import adamw
 from vlmrl.preflight import check_device, resolve_model
 from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.registry import check_specs
@@ -116,7 +117,7 @@ def warm_start(cfg: Config, run_dir: Path, data: Datasets, rewards: list[RewardS
     check_data_fits(policy, cfg, data)  # every label and prompt fits its budget, before any training step
     agent = AgentSpec.from_config(cfg.agent, policy.processor)  # multi-turn: demonstrations replay their tool calls
     if cfg.sft.steps > 0:
-        sft_opt = torch.optim.AdamW([p for p in policy.model.parameters() if p.requires_grad], lr=cfg.sft.lr)
+        sft_opt = adamw([p for p in policy.model.parameters() if p.requires_grad], cfg.sft.lr)
         sft_sched = torch.optim.lr_scheduler.LambdaLR(sft_opt, lr_lambda(cfg.sft.lr_schedule, 0, cfg.sft.steps))
         progress.start("sft", cfg.sft.steps)
         policy.model.train()
