@@ -70,7 +70,7 @@ def step_args(doc: str, steps: int, name: str) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=f"/tmp/vlmrl-bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("overrides", nargs="*")
-    return p.parse_args()
+    return p.parse_intermixed_args()  # overrides may come after --steps and --threads, as the usage line shows
 
 
 def run_steps(args: argparse.Namespace, warmup: int, around: Callable[[], AbstractContextManager]) -> None:
