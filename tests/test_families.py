@@ -83,6 +83,27 @@ def test_generation_logprobs_match_training_forward(family, family_dirs, mixed_s
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_reserved_kv_cache_samples_exactly_what_the_concatenating_one_does(family, family_dirs, mixed_samples,
+                                                                              monkeypatch):
+    """generate() writes the answer's keys and values into reserved columns (vlmrl/models/kv_cache.py); with
+    transformers' concatenating DynamicCache the same seeds give bit-identical answers and log-probs."""
+    policy = load_policy(family_dirs[family])
+    prompts = make_prompts(policy, mixed_samples)
+
+    def sample():
+        return generate(policy, prompts, group_size=3, max_new_tokens=7, temperature=1.0, prompt_seeds=[5, 6, 7, 8])
+
+    reserved = sample()
+    plain = policy.family.new_cache
+    monkeypatch.setattr(policy.family, "new_cache", lambda reserve=0: plain())
+    concatenated = sample()
+    assert reserved.completion_mask.sum() > 3 * len(mixed_samples)  # answers longer than one token were decoded
+    assert torch.equal(reserved.completion_ids, concatenated.completion_ids)
+    assert torch.equal(reserved.completion_mask, concatenated.completion_mask)
+    assert torch.equal(reserved.logprobs, concatenated.logprobs)
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_shared_prompt_forward_has_the_full_forwards_gradients(family, family_dirs, mixed_samples):
     """The training forward runs each prompt once and shares its KV cache with its G answers: log-probs, entropies
     and every parameter's gradient equal those of the plain forward over prompt + answer rows."""

@@ -125,7 +125,7 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
     index = torch.arange(len(prompts)).repeat_interleave(torch.tensor(sizes, dtype=torch.long))
     pe = family.prompt_embeds(prompts)
     # the prompt is encoded (vision tower and prefill) once; its KV cache is then repeated for the G answers
-    cache = family.new_cache()
+    cache = family.new_cache(reserve=max_new_tokens)
     hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache, pe.extras)[:, -1]
     if isinstance(group_size, int) and group_size > 1:
         cache.batch_repeat_interleave(group_size)
@@ -136,7 +136,9 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
     pe = pe.select(index.to(pe.embeds.device))
     n, device = len(index), pe.embeds.device
     eos = torch.tensor(policy.eos_token_ids, device=device)
-    mask = pe.attention_mask
+    # the attention mask, with the answer's columns reserved: step t fills column L + t (no concatenation per step)
+    length = pe.attention_mask.shape[1]
+    full_mask = torch.cat([pe.attention_mask, pe.attention_mask.new_zeros(n, max_new_tokens)], dim=1)
     tokens, logps, alive_steps = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)
     streams, uniform = None, None
@@ -164,9 +166,10 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
                 alive = alive & ~ended.to(device)
         if not alive.any() or t == max_new_tokens - 1:
             break
-        mask = torch.cat([mask, alive_steps[-1].long()[:, None]], dim=1)
+        full_mask[:, length + t] = alive_steps[-1]
         pos = (pe.next_position + t).view(1, n, 1).expand(3, n, 1)
-        hidden = family.forward_hidden(family.embed_tokens(tok[:, None]), mask, pos, cache)[:, -1]
+        hidden = family.forward_hidden(family.embed_tokens(tok[:, None]), full_mask[:, :length + t + 1], pos,
+                                       cache)[:, -1]
     completion_ids = torch.stack(tokens, 1)
     completion_mask = torch.stack(alive_steps, 1).long()
     texts = policy.processor.tokenizer.batch_decode(

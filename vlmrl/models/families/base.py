@@ -431,7 +431,9 @@ class VLFamily:
                                       use_cache=cache is not None)
         return out.last_hidden_state
 
-    def new_cache(self):
-        from transformers import DynamicCache
+    def new_cache(self, reserve: int = 0):
+        """An empty KV cache; `reserve` > 0 (generation: the answer budget) keeps that many columns free after the
+        prompt, so decoding writes in place instead of concatenating (vlmrl/models/kv_cache.py)."""
+        from vlmrl.models.kv_cache import generation_cache
 
-        return DynamicCache(config=self.language_model.config)
+        return generation_cache(self.language_model.config, reserve)

@@ -1,0 +1,105 @@
+"""A KV cache for generation that reserves room for the answer instead of growing by concatenation.
+
+transformers' `DynamicLayer` appends each decoding step's keys and values with `torch.cat`, which copies the whole
+cache of every layer at every step (with G answers per prompt, G copies of each prompt's keys). `ReservedLayer`
+allocates prompt length + the answer budget once, writes each step's keys and values into the next free column, and
+hands attention a view of the filled columns. The values attention reads are the same, so the answers and their
+log-probs are identical to `DynamicLayer`'s (tests/test_kv_cache.py compares whole rollouts); what goes is the copy.
+
+Used by `generate` (`family.new_cache(reserve=max_new_tokens)`); the training forward keeps `DynamicLayer`, whose
+one concatenation per forward costs nothing and whose backward is the plain one.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+
+class ReservedLayer(DynamicLayer):
+    """One full-attention layer's cache: buffers [B, H, capacity, D]; `keys`/`values` view their first `length`
+    columns. Capacity is the first update's length + `reserve`; a longer sequence regrows it (one copy)."""
+
+    def __init__(self, reserve: int, **kwargs):
+        super().__init__(**kwargs)
+        self.reserve = reserve
+        self.length = 0
+        self.key_buffer: torch.Tensor | None = None
+        self.value_buffer: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device = key_states.device
+        self.is_initialized = True
+
+    def _view(self) -> None:
+        self.keys = self.key_buffer[:, :, :self.length]
+        self.values = self.value_buffer[:, :, :self.length]
+
+    def _allocate(self, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        def grown(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
+            b, h, _, d = new.shape
+            buffer = torch.empty(b, h, capacity, d, dtype=new.dtype, device=new.device)
+            if old is not None and self.length:
+                buffer[:, :, :self.length].copy_(old[:, :, :self.length])
+            return buffer
+
+        self.key_buffer = grown(self.key_buffer, key_states)
+        self.value_buffer = grown(self.value_buffer, value_states)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new = key_states.shape[-2]
+        if self.key_buffer is None or self.length + new > self.key_buffer.shape[-2]:
+            self._allocate(self.length + new + self.reserve, key_states, value_states)
+        self.key_buffer[:, :, self.length:self.length + new].copy_(key_states)
+        self.value_buffer[:, :, self.length:self.length + new].copy_(value_states)
+        self.length += new
+        self._view()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def reset(self) -> None:
+        self.length = 0
+        self.key_buffer = self.value_buffer = None
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative number of tokens to remove")
+        if tokens_to_remove and self.is_initialized:
+            self.length = max(self.length + tokens_to_remove, 0)
+            self._view()
+
+    def _rows(self, select) -> None:
+        if self.length:
+            self.key_buffer, self.value_buffer = select(self.key_buffer), select(self.value_buffer)
+            self._view()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._rows(lambda b: b.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._rows(lambda b: b[indices, ...])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._rows(lambda b: b.index_select(0, beam_idx.to(b.device)))
+
+    def offload(self):
+        self._rows(lambda b: b.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.is_initialized and self.key_buffer is not None and self.key_buffer.device != self.device:
+            self._rows(lambda b: b.to(self.device, non_blocking=True))
+
+
+def generation_cache(config, reserve: int) -> DynamicCache:
+    """transformers' DynamicCache for `config`, each plain full-attention layer a `ReservedLayer` with room for
+    `reserve` more tokens after the prompt; other layer kinds (sliding windows: Gemma 3) are kept as they are."""
+    cache = DynamicCache(config=config)
+    if reserve > 0:
+        cache.layers = [ReservedLayer(reserve) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
