@@ -10,7 +10,7 @@ import torch
 from vlmrl.config import load_config
 from vlmrl.models import load_policy
 from vlmrl.rewards import RewardSpec
-from vlmrl.trainer.rl import StepContext, build_trajectories, collect_and_score, dynamic_sampling, resample_size
+from vlmrl.trainer.rl import StepContext, build_trajectories, collect_and_score, dynamic_sampling
 from vlmrl.trainer.run import train
 from vlmrl.trainer.update import micro_batches, row_tokens, update
 
@@ -96,40 +96,11 @@ def test_dynamic_sampling_refills_with_groups_that_carry_signal(tiny_model_dir, 
     first.rewards.total = torch.tensor([1.0] * 4 + [1.0, 0.0, 0.0, 0.0] + [0.0, 0.0, 1.0, 1.0])
     out = dynamic_sampling(ctx, first, lambda k: [next(pool) for _ in range(k)])
     assert out.stats["dynamic_sampling/rounds"] >= 1  # two groups were not enough: it sampled again
+    assert out.stats["dynamic_sampling/prompts"] == 3 * (1 + out.stats["dynamic_sampling/rounds"])
     n_groups = len(out.samples)
     assert n_groups <= 3 and out.rollout.completion_ids.shape[0] == 4 * n_groups
     assert out.samples[0]["id"] == count_samples[1]["id"] and out.samples[1]["id"] == count_samples[2]["id"]
     assert out.rewards.total[:8].tolist() == [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0]
     # the kept rows still answer their own prompts: prompt_index and prompts line up with the samples
     assert out.rollout.prompt_index.tolist() == [p for p in range(n_groups) for _ in range(4)]
-    assert out.prompts.sample_ids == [s["id"] for s in out.samples]
-
-
-def test_need_sized_rounds_draw_the_missing_groups_at_the_steps_signal_rate():
-    assert resample_size("batch", 16, 2, 16, 96) == 16  # DAPO's: always a batch
-    assert resample_size("need", 16, 2, 16, 96) == 80  # 14 missing at (2 + 1) / (16 + 1): ceil(14 * 17 / 3)
-    assert resample_size("need", 16, 5, 16, 96) == 32  # ceil(11 * 17 / 6) = ceil(31.2)
-    assert resample_size("need", 16, 14, 16, 96) == 3  # ceil(2 * 17 / 15) = ceil(2.3)
-    assert resample_size("need", 16, 15, 48, 96) == 4  # 1 missing, ceil(49 / 16)
-    assert resample_size("need", 16, 0, 16, 96) == 96  # nothing found yet: the whole budget left
-    assert resample_size("need", 16, 2, 64, 48) == 48  # never past the budget
-
-
-def test_need_sized_dynamic_sampling_stays_within_the_fixed_rounds_budget(tiny_model_dir, count_samples):
-    cfg = load_config(None, ["rollout.group_size=4", "rollout.max_new_tokens=6", "rollout.prompts_per_step=3"])
-    policy = load_policy(tiny_model_dir)
-    ctx = _context(policy, cfg, dynamic_sampling=True, max_resample_rounds=2, resample_size="need")
-    pool, drawn = iter(count_samples[3:]), []
-
-    def draw(k):
-        drawn.append(k)
-        return [next(pool) for _ in range(k)]
-
-    first = collect_and_score(ctx, count_samples[:3])
-    first.rewards.total = torch.tensor([1.0] * 4 + [1.0, 0.0, 0.0, 0.0] + [0.0, 0.0, 1.0, 1.0])  # 2 of 3 differ
-    out = dynamic_sampling(ctx, first, draw)
-    assert drawn[0] == 2  # 1 group missing at (2 + 1) / (3 + 1): ceil(1 * 4 / 3)
-    assert out.stats["dynamic_sampling/prompts"] == 3 + sum(drawn) <= (1 + 2) * 3
-    assert out.stats["dynamic_sampling/rounds"] == len(drawn) <= 2
-    assert len(out.samples) == out.stats["dynamic_sampling/kept_groups"] <= 3
     assert out.prompts.sample_ids == [s["id"] for s in out.samples]

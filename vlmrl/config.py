@@ -142,10 +142,6 @@ class AlgorithmConfig:
     # -- DAPO extras
     dynamic_sampling: bool = False  # drop zero-variance groups and sample more prompts to refill the batch
     max_resample_rounds: Count = 3  # extra generation rounds per step for dynamic sampling
-    # how many prompts each extra round draws: "batch" = prompts_per_step (DAPO); "need" = as many as the step's
-    # signal rate so far says the missing groups take, within the same budget of (1 + max_resample_rounds) x
-    # prompts_per_step prompts per step: fewer, larger generation calls
-    resample_size: Literal["batch", "need"] = "batch"
     overlong_filter: bool = False  # truncated answers get no gradient (DAPO's overlong filtering)
     # -- critic (advantage: gae)
     critic: Literal["head", "separate"] = "head"  # value head on the policy, or a separate copy of it

@@ -89,17 +89,13 @@ def estimate(cfg: Config, prompt_tokens: int) -> dict[str, float]:
                      or (m.freeze_projector and n.startswith(family.projector_prefixes)))
         out["gradients+adamw"] = (total - frozen) * 3 * b / GB
         out["reference"] = total * b / GB if cfg.algorithm.beta > 0 else 0.0
-    r, a = cfg.rollout, cfg.algorithm
+    r = cfg.rollout
     rows = r.prompts_per_step * r.group_size
-    # one generation call: prompts_per_step prompts, or with need-sized resampling up to the step's whole budget
-    # after the first round (max_resample_rounds x prompts_per_step prompts)
-    need = a.dynamic_sampling and a.resample_size == "need"
-    generated_rows = rows * (max(1, a.max_resample_rounds) if need else 1)
     head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
     layers, hidden, inter = text.num_hidden_layers, text.hidden_size, text.intermediate_size
-    out["kv_cache"] = generated_rows * (prompt_tokens + r.max_new_tokens) * layers * 2 * text.num_key_value_heads \
+    out["kv_cache"] = rows * (prompt_tokens + r.max_new_tokens) * layers * 2 * text.num_key_value_heads \
         * head_dim * 2 / GB
-    out["generation_peak"] = 3 * generated_rows * prompt_tokens * inter * 2 / GB
+    out["generation_peak"] = 3 * rows * prompt_tokens * inter * 2 / GB
     micro = cfg.trainer.micro_batch or rows
     seq = prompt_tokens + r.max_new_tokens
     if cfg.trainer.micro_batch_tokens:  # worst case: every row at full length

@@ -7,7 +7,6 @@ losses, KL estimators).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,25 +141,11 @@ def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
                  [c for b in batches for c in b.correct])
 
 
-def resample_size(mode: str, want: int, found: int, generated: int, budget: int) -> int:
-    """Prompts the next resampling round draws: `want` ("batch", DAPO's), or ("need") the missing groups divided by
-    the step's signal rate so far, (found + 1) / (generated + 1), rounded up, at least the missing count; never more
-    than the `budget` of prompts the step has left."""
-    if mode == "batch":
-        return want
-    missing = want - found
-    return max(1, min(budget, max(missing, math.ceil(missing * (generated + 1) / (found + 1)))))
-
-
 def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[dict]]) -> Batch:
     """DAPO's dynamic sampling: keep groups whose rewards differ; sample more prompts (up to max_resample_rounds
     extra generation calls) until prompts_per_step such groups are found; use what was found if the cap is hit.
-    Only scored answers count: a failed reward is no difference between answers. With `resample_size: need` a
-    round draws as many prompts as the missing groups need at the step's signal rate so far (`resample_size`), and
-    the step stops when it has generated for (1 + max_resample_rounds) x prompts_per_step prompts, the most the
-    fixed-size rounds can draw."""
-    g, want, algo = ctx.rollout.group_size, ctx.rollout.prompts_per_step, ctx.algorithm
-    budget = (1 + algo.max_resample_rounds) * want
+    Only scored answers count: a failed reward is no difference between answers."""
+    g, want = ctx.rollout.group_size, ctx.rollout.prompts_per_step
     kept, found, rounds, generated = [], 0, 0, 0
     batch = first
     while True:
@@ -169,11 +154,10 @@ def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[
         if keep.any():
             kept.append(keep_groups(batch, keep, g))
             found += int(keep.sum())
-        if found >= want or rounds >= algo.max_resample_rounds or generated >= budget:
+        if found >= want or rounds >= ctx.algorithm.max_resample_rounds:
             break
         rounds += 1
-        size = resample_size(algo.resample_size, want, found, generated, budget - generated)
-        batch = collect_and_score(ctx, draw(size), round_index=rounds)
+        batch = collect_and_score(ctx, draw(want), round_index=rounds)
     stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": min(found, want),
              "dynamic_sampling/dropped_groups": generated - found, "dynamic_sampling/prompts": generated}
     if not kept:
