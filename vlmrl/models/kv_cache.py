@@ -4,7 +4,8 @@ transformers' `DynamicLayer` appends each decoding step's keys and values with `
 cache of every layer at every step (with G answers per prompt, G copies of each prompt's keys). `ReservedLayer`
 allocates prompt length + the answer budget once, writes each step's keys and values into the next free column, and
 hands attention a view of the filled columns. The values attention reads are the same, so the answers and their
-log-probs are identical to `DynamicLayer`'s (tests/test_kv_cache.py compares whole rollouts); what goes is the copy.
+log-probs are identical to `DynamicLayer`'s (tests/test_families.py compares whole rollouts for every family,
+tests/test_kv_cache.py the layers); what goes is the copy.
 
 Used by `generate` (`family.new_cache(reserve=max_new_tokens)`); the training forward keeps `DynamicLayer`, whose
 one concatenation per forward costs nothing and whose backward is the plain one.
