@@ -35,8 +35,11 @@ def main() -> None:
     from vlmrl.rollout.batch import make_prompts
     from vlmrl.rollout.generate import generate
 
-    path = args.checkpoint or build_tiny_vlm(tempfile.mkdtemp(), vocabulary_texts(0))
-    policy = load_policy(path)
+    if args.checkpoint:
+        policy = load_policy(args.checkpoint)
+    else:
+        with tempfile.TemporaryDirectory() as tmp:  # loaded into memory, then the folder goes
+            policy = load_policy(build_tiny_vlm(tmp, vocabulary_texts(0)))
     policy.model.eval()
     policy.eos_token_ids = [len(policy.processor.tokenizer) + 1]  # an id never sampled: answers run to the budget
     prompts = make_prompts(policy, make_task("shapes_count", args.prompts, "train", seed=0))
