@@ -10,7 +10,7 @@ import torch
 from vlmrl.config import load_config
 from vlmrl.models import load_policy
 from vlmrl.rewards import RewardSpec
-from vlmrl.trainer.rl import StepContext, build_trajectories, collect_and_score, dynamic_sampling
+from vlmrl.trainer.rl import StepContext, build_trajectories, collect_and_score, dynamic_sampling, resample_size
 from vlmrl.trainer.run import train
 from vlmrl.trainer.update import micro_batches, row_tokens, update
 
@@ -104,3 +104,42 @@ def test_dynamic_sampling_refills_with_groups_that_carry_signal(tiny_model_dir, 
     # the kept rows still answer their own prompts: prompt_index and prompts line up with the samples
     assert out.rollout.prompt_index.tolist() == [p for p in range(n_groups) for _ in range(4)]
     assert out.prompts.sample_ids == [s["id"] for s in out.samples]
+
+
+@pytest.mark.parametrize("found,generated,size", [
+    (4, 16, 48),  # 12 missing at 4 of 16: 12 * 16 / 4 prompts
+    (15, 100, 7),  # 1 missing at 15 of 100: ceil(100 / 15)
+    (0, 16, 96),  # nothing found: the rest of the budget, (1 + 6) * 16 - 16
+    (10, 16, 10),  # the share says 10 * 16 / 10 = 9.6 -> 10: never fewer than the missing groups
+    (12, 110, 2),  # 4 missing would need ceil(4 * 110 / 12) = 37, but only 112 - 110 = 2 prompts are left
+    (12, 112, 0),  # the budget is spent: stop
+    (16, 40, 0),  # the batch is full
+])
+def test_resample_size_fill_draws_what_the_signal_share_says(tiny_model_dir, found, generated, size):
+    cfg = load_config(None, ["rollout.prompts_per_step=16"])
+    ctx = _context(load_policy(tiny_model_dir), cfg, dynamic_sampling=True, max_resample_rounds=6,
+                   resample_draw="fill")
+    assert resample_size(ctx, found, generated) == size
+    ctx.algorithm.resample_draw = "batch"  # the default: every round draws a batch
+    assert resample_size(ctx, found, generated) == 16
+
+
+def test_dynamic_sampling_fill_draws_the_missing_share_in_one_round(tiny_model_dir, count_samples):
+    """One group of three carried a signal, so the next round draws (3 - 1) * 3 / 1 = 6 prompts at once (the budget
+    of 1 + 2 rounds of 3 leaves 6): one generation call where "batch" would make two."""
+    cfg = load_config(None, ["rollout.group_size=4", "rollout.max_new_tokens=6", "rollout.prompts_per_step=3"])
+    ctx = _context(load_policy(tiny_model_dir), cfg, dynamic_sampling=True, max_resample_rounds=2,
+                   resample_draw="fill")
+    asked, pool = [], iter(count_samples[3:])
+
+    def draw(k):
+        asked.append(k)
+        return [next(pool) for _ in range(k)]
+
+    first = collect_and_score(ctx, count_samples[:3])
+    first.rewards.total = torch.tensor([1.0] * 4 + [1.0, 0.0, 0.0, 0.0] + [0.0] * 4)
+    out = dynamic_sampling(ctx, first, draw)
+    assert asked[0] == 6
+    assert out.stats["dynamic_sampling/prompts"] == 3 + sum(asked) <= 9
+    assert out.samples[0]["id"] == count_samples[1]["id"] and len(out.samples) <= 3
+    assert out.rollout.prompt_index.tolist() == [p for p in range(len(out.samples)) for _ in range(4)]

@@ -142,6 +142,10 @@ class AlgorithmConfig:
     # -- DAPO extras
     dynamic_sampling: bool = False  # drop zero-variance groups and sample more prompts to refill the batch
     max_resample_rounds: Count = 3  # extra generation rounds per step for dynamic sampling
+    # how many prompts an extra round draws: "batch" = rollout.prompts_per_step; "fill" = as many as the step's share
+    # of groups with a signal so far says will fill the batch (fewer, larger generation calls), all rounds together
+    # never more than (1 + max_resample_rounds) x prompts_per_step prompts, the most "batch" can draw
+    resample_draw: Literal["batch", "fill"] = "batch"  # prompts per extra round: prompts_per_step, or what fills it
     overlong_filter: bool = False  # truncated answers get no gradient (DAPO's overlong filtering)
     # -- critic (advantage: gae)
     critic: Literal["head", "separate"] = "head"  # value head on the policy, or a separate copy of it

@@ -7,6 +7,8 @@ import copy
 import json
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -37,6 +39,19 @@ class Policy:
     @property
     def has_adapters(self) -> bool:
         return hasattr(self.model, "disable_adapter")
+
+    @contextmanager
+    def sampling(self) -> Iterator[None]:
+        """The model in eval mode (dropout off) inside, its mode restored after. Nested uses toggle nothing: an RL step
+        enters once around all its generation calls (setting the mode walks every module)."""
+        training = self.model.training
+        if training:
+            self.model.eval()
+        try:
+            yield
+        finally:
+            if training:
+                self.model.train()
 
     def with_model(self, model: torch.nn.Module, **changes) -> Policy:
         """This policy around another model (e.g. merged adapters): a new family on it, with the same autocast

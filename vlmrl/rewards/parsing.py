@@ -6,6 +6,7 @@ raises on model output, because model output is adversarial: the policy is optim
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -180,6 +181,7 @@ def _number_value(token: str) -> float | None:
     return value if math.isfinite(value) else None
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a pure function of short strings: an RL step parses the same answers often
 def parse_number(text: str, exact: bool = False) -> float | None:
     """The number in `text`, or None.
 

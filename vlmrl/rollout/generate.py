@@ -133,12 +133,13 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
     elif not isinstance(group_size, int) and len(index) != len(prompts):  # answers per prompt vary (the server)
         cache.batch_select_indices(index.to(hidden.device))
         hidden = hidden[index.to(hidden.device)]
-    pe = pe.select(index.to(pe.embeds.device))
     n, device = len(index), pe.embeds.device
+    rows = index.to(device)  # each answer's prompt row (the prompt's embeddings are not needed after the prefill)
+    next_position = pe.next_position[rows]
     eos = torch.tensor(policy.eos_token_ids, device=device)
     # the attention mask, with the answer's columns reserved: step t fills column L + t (no concatenation per step)
     length = pe.attention_mask.shape[1]
-    full_mask = torch.cat([pe.attention_mask, pe.attention_mask.new_zeros(n, max_new_tokens)], dim=1)
+    full_mask = torch.cat([pe.attention_mask[rows], pe.attention_mask.new_zeros(n, max_new_tokens)], dim=1)
     tokens, logps, alive_steps = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)
     streams, uniform = None, None
@@ -167,7 +168,7 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
         if not alive.any() or t == max_new_tokens - 1:
             break
         full_mask[:, length + t] = alive_steps[-1]
-        pos = (pe.next_position + t).view(1, n, 1).expand(3, n, 1)
+        pos = (next_position + t).view(1, n, 1).expand(3, n, 1)
         hidden = family.forward_hidden(family.embed_tokens(tok[:, None]), full_mask[:, :length + t + 1], pos,
                                        cache)[:, -1]
     completion_ids = torch.stack(tokens, 1)

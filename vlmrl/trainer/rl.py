@@ -7,6 +7,7 @@ losses, KL estimators).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -68,20 +69,16 @@ def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None
     seeds = [prompt_seed(ctx.trainer.seed, ctx.step, round_index, ctx.prompt_offset + i) for i in range(len(samples))]
     temperature = r.temperature if temperature is None else temperature
     if ctx.agent is not None:  # multi-turn: the rollout's context holds each trajectory's whole conversation
-        ctx.policy.model.eval()
-        with gathered(ctx.forward):
+        with ctx.policy.sampling(), gathered(ctx.forward):
             out = ctx.agent.rollout(ctx.policy, prompts, samples, group_size or r.group_size, temperature, r.top_k,
                                     r.top_p, seeds)
-        ctx.policy.model.train()
         return prompts, out.rollout
     if ctx.engine is not None:
         return prompts, ctx.engine.generate(ctx.policy, prompts, samples, group_size or r.group_size,
                                             r.max_new_tokens, temperature, r.top_k, r.top_p, seeds)
-    ctx.policy.model.eval()
-    with gathered(ctx.forward):
+    with ctx.policy.sampling(), gathered(ctx.forward):
         rollout = generate(ctx.policy, prompts, group_size or r.group_size, r.max_new_tokens, temperature, r.top_k,
                            r.top_p, ctx.generator, prompt_seeds=seeds)
-    ctx.policy.model.train()
     return prompts, rollout
 
 
@@ -141,10 +138,21 @@ def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
                  [c for b in batches for c in b.correct])
 
 
+def resample_size(ctx: StepContext, found: int, generated: int) -> int:
+    """How many prompts the next dynamic-sampling round draws, after `generated` prompts gave `found` groups with a
+    signal in this step: prompts_per_step, or (resample_draw "fill") the missing groups divided by the share found so
+    far, within what is left of the step's (1 + max_resample_rounds) x prompts_per_step prompts (0: stop)."""
+    want, a = ctx.rollout.prompts_per_step, ctx.algorithm
+    if a.resample_draw == "batch":
+        return want
+    missing, left = want - found, (1 + a.max_resample_rounds) * want - generated
+    return max(0, min(left, max(missing, math.ceil(missing * generated / max(found, 1)))))
+
+
 def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[dict]]) -> Batch:
     """DAPO's dynamic sampling: keep groups whose rewards differ; sample more prompts (up to max_resample_rounds
-    extra generation calls) until prompts_per_step such groups are found; use what was found if the cap is hit.
-    Only scored answers count: a failed reward is no difference between answers."""
+    extra generation calls, each of `resample_size` prompts) until prompts_per_step such groups are found; use what
+    was found if the cap is hit. Only scored answers count: a failed reward is no difference between answers."""
     g, want = ctx.rollout.group_size, ctx.rollout.prompts_per_step
     kept, found, rounds, generated = [], 0, 0, 0
     batch = first
@@ -154,10 +162,11 @@ def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[
         if keep.any():
             kept.append(keep_groups(batch, keep, g))
             found += int(keep.sum())
-        if found >= want or rounds >= ctx.algorithm.max_resample_rounds:
+        size = resample_size(ctx, found, generated)
+        if found >= want or rounds >= ctx.algorithm.max_resample_rounds or size == 0:
             break
         rounds += 1
-        batch = collect_and_score(ctx, draw(want), round_index=rounds)
+        batch = collect_and_score(ctx, draw(size), round_index=rounds)
     stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": min(found, want),
              "dynamic_sampling/dropped_groups": generated - found, "dynamic_sampling/prompts": generated}
     if not kept:
@@ -188,8 +197,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     beta = ctx.kl.beta  # fixed, or adapted after every step (algorithm.kl_target)
     reward_kl = algo.kl_in == "reward" and beta > 0 and ctx.reference is not None
     old = ref = values = policy_logprobs = greedy_kl = None
-    ctx.policy.model.eval()
-    with gathered(ctx.forward):
+    with ctx.policy.sampling(), gathered(ctx.forward):
         if not ctx.batch_used_once or reward_kl:  # the policy's log-probs before the update
             policy_logprobs = score_batch(ctx.policy, *args, **chunks).logprobs
         if not ctx.batch_used_once:
@@ -204,7 +212,6 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
             greedy_kl = (kl_estimate(score_batch(ctx.policy, *gargs, **chunks).logprobs,
                                      ctx.reference.logprobs(*gargs, **chunks), algo.kl_estimator)
                          * g.completion_mask).sum(-1)
-    ctx.policy.model.train()
     rewards = batch.rewards.total.to(mask.device)
     baseline = None if batch.baseline_rewards is None else batch.baseline_rewards.to(mask.device)
     scored = batch.scored().to(mask.device)
@@ -248,12 +255,15 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
     word lists whose answer shares are logged (default `marker_sets()`: reflection, backtracking)."""
     t0 = time.perf_counter()
     vision_before = ctx.policy.family.vision_calls
-    batch = collect_and_score(ctx, samples)
-    vision_calls = ctx.policy.family.vision_calls - vision_before
-    first = batch
-    if ctx.algorithm.dynamic_sampling and draw is not None:
-        batch = dynamic_sampling(ctx, batch, draw)
+    with ctx.policy.sampling():  # stages I + II: every generation call of the step, resampling rounds included
+        batch = collect_and_score(ctx, samples)
+        vision_calls = ctx.policy.family.vision_calls - vision_before
+        first = batch
+        if ctx.algorithm.dynamic_sampling and draw is not None:
+            batch = dynamic_sampling(ctx, batch, draw)
     t1 = time.perf_counter()
+    if not ctx.policy.model.training:  # (a loaded model starts in eval mode) the update trains with dropout as set
+        ctx.policy.model.train()
     traj = build_trajectories(ctx, batch)
     metrics = update(ctx, batch.rollout.scoring_inputs(batch.prompts)[0], traj)
     if traj.old_logprobs is not None:  # recomputed before the update: the sampler's gap to them (else the update's)
