@@ -10,7 +10,14 @@ import torch
 from vlmrl.config import load_config
 from vlmrl.models import load_policy
 from vlmrl.rewards import RewardSpec
-from vlmrl.trainer.rl import StepContext, build_trajectories, collect_and_score, dynamic_sampling, resample_size
+from vlmrl.trainer.rl import (
+    StepContext,
+    build_trajectories,
+    collect_and_score,
+    dynamic_sampling,
+    first_round_size,
+    resample_size,
+)
 from vlmrl.trainer.run import train
 from vlmrl.trainer.update import micro_batches, row_tokens, update
 
@@ -143,3 +150,16 @@ def test_dynamic_sampling_fill_draws_the_missing_share_in_one_round(tiny_model_d
     assert out.stats["dynamic_sampling/prompts"] == 3 + sum(asked) <= 9
     assert out.samples[0]["id"] == count_samples[1]["id"] and len(out.samples) <= 3
     assert out.rollout.prompt_index.tolist() == [p for p in range(len(out.samples)) for _ in range(4)]
+
+
+@pytest.mark.parametrize("share,size", [(None, 16), (0.25, 64), (0.9, 18), (1.0, 16), (0.1, 112), (0.0, 112)])
+def test_first_round_fill_draws_for_the_last_steps_signal_share(tiny_model_dir, share, size):
+    """16 groups wanted: 16 / share prompts (64 at a quarter; ceil(17.8) = 18 at 0.9), never fewer than 16 nor more
+    than (1 + 6) x 16; no share yet (the first step) draws 16, and so does the batch draw whatever the share."""
+    cfg = load_config(None, ["rollout.prompts_per_step=16"])
+    ctx = _context(load_policy(tiny_model_dir), cfg, dynamic_sampling=True, max_resample_rounds=6,
+                   resample_draw="fill")
+    ctx.signal_share = share
+    assert first_round_size(ctx) == size
+    ctx.algorithm.resample_draw = "batch"
+    assert first_round_size(ctx) == 16

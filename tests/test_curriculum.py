@@ -252,12 +252,14 @@ def test_accuracy_interval_greedy_is_wilson_and_sampled_is_a_bootstrap_over_prom
 
 # -- resume ----------------------------------------------------------------------------------------------------------
 def test_curriculum_replay_and_adaptive_kl_survive_resume_exactly(tmp_path):
+    """Curriculum, replay, adaptive KL and dynamic sampling's fill draw (whose first round is sized from the step
+    before: the checkpoint keeps that step's signal share), resumed at step 2: steps 3 and 4 as in the straight run."""
     from tests.test_train_e2e import small_config
     from vlmrl.trainer.run import train
 
     extra = ["trainer.steps=4", "curriculum.order=learnability", "curriculum.filter_solved=true",
              "curriculum.filter_unsolved=true", "replay.weight=0.5", "replay.batch_size=2", "algorithm.beta=0.04",
-             "algorithm.kl_target=0.001"]
+             "algorithm.kl_target=0.001", "algorithm.dynamic_sampling=true", "algorithm.resample_draw=fill"]
     train(small_config(tmp_path / "a", *extra))
     train(small_config(tmp_path / "b", *extra, "trainer.save_every=2"))
     train(small_config(tmp_path / "b", *extra), resume=tmp_path / "b/run/checkpoint-2")
@@ -268,7 +270,7 @@ def test_curriculum_replay_and_adaptive_kl_survive_resume_exactly(tmp_path):
 
     straight, resumed = rows(tmp_path / "a/run"), rows(tmp_path / "b/run")
     keys = ["loss", "kl", "kl_beta", "replay/loss", "curriculum/seen_prompts", "curriculum/filtered_unsolved",
-            "curriculum/filtered_solved"]
+            "curriculum/filtered_solved", "dynamic_sampling/prompts"]
     for step in (3, 4):
         assert {k: resumed[step][k] for k in keys} == {k: straight[step][k] for k in keys}, step
     betas = [straight[s]["kl_beta"] for s in (1, 2, 3, 4)]

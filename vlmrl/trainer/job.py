@@ -45,7 +45,7 @@ from vlmrl.trainer.distributed import (
 from vlmrl.trainer.dpo import OfflineDPO, synthetic_preferences
 from vlmrl.trainer.inputs import Datasets, PromptStream
 from vlmrl.trainer.replay import Replay
-from vlmrl.trainer.rl import StepContext, rl_step
+from vlmrl.trainer.rl import StepContext, first_round_size, rl_step
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -105,7 +105,7 @@ class RLJob:
                      "rng": rng_state(ctx.generator), "start_eval": self.start_eval,
                      "critic": ctx.critic.state_dict() if ctx.critic is not None else None,
                      "guard": dict(vars(guard)) if guard is not None else None, "eval_pending": eval_pending,
-                     "kl": ctx.kl.state(),
+                     "kl": ctx.kl.state(), "signal_share": ctx.signal_share,
                      "wall_seconds": self.wall_before + time.perf_counter() - self.t_start}
             save_checkpoint(path, ctx.policy, self.cfg, state, state_dict=full, staged=True)
             rotate_checkpoints(self.run_dir, t.keep_checkpoints, newest=step, final=t.steps)
@@ -125,7 +125,9 @@ class RLJob:
         curriculum = self.stream if isinstance(self.stream, Curriculum) else None
         if curriculum is not None:
             curriculum.set_step(step)
-        samples = [self.train_set[i] for i in self.stream.next(rollout.prompts_per_step)[start:stop]]
+        n = first_round_size(ctx)  # more than prompts_per_step only under dynamic sampling (one process: no shards)
+        drawn = self.stream.next(n)
+        samples = [self.train_set[i] for i in (drawn[start:stop] if n == rollout.prompts_per_step else drawn)]
         markers = marker_sets(self.cfg.eval.reflection_words, self.cfg.eval.backtracking_words)
         beta = ctx.kl.beta
         metrics, gallery = rl_step(ctx, samples, draw=lambda k: [self.train_set[i] for i in self.stream.next(k)],
@@ -208,6 +210,7 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
                             cfg.sft.target_template, d.prompt_template, d.max_prompt_length, ctx.agent)
     if resume_state is not None:
         ctx.kl.load(resume_state.get("kl"))
+        ctx.signal_share = resume_state.get("signal_share")
     if resume_state is not None and sharded and (Path(resume) / "sharded").exists():
         load_sharded_optimizer(forward, optimizer, Path(resume) / "sharded")
     guard = getattr(ctx, "guard", None)

@@ -138,6 +138,17 @@ def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
                  [c for b in batches for c in b.correct])
 
 
+def first_round_size(ctx: StepContext) -> int:
+    """How many prompts a step's first generation call draws: prompts_per_step, or under dynamic sampling's fill
+    draw as many as the previous step's share of groups with a signal says will fill the batch (at most the step's
+    (1 + max_resample_rounds) x prompts_per_step), so most steps need one call."""
+    want, a, share = ctx.rollout.prompts_per_step, ctx.algorithm, ctx.signal_share
+    if not (a.dynamic_sampling and a.resample_draw == "fill") or share is None:
+        return want
+    cap = (1 + a.max_resample_rounds) * want
+    return cap if share <= 0 else min(cap, max(want, math.ceil(want / share)))
+
+
 def resample_size(ctx: StepContext, found: int, generated: int) -> int:
     """How many prompts the next dynamic-sampling round draws, after `generated` prompts gave `found` groups with a
     signal in this step: prompts_per_step, or (resample_draw "fill") the missing groups divided by the share found so
@@ -167,6 +178,7 @@ def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[
             break
         rounds += 1
         batch = collect_and_score(ctx, draw(size), round_index=rounds)
+    ctx.signal_share = found / generated  # (the next step's first round, under resample_draw "fill")
     stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": min(found, want),
              "dynamic_sampling/dropped_groups": generated - found, "dynamic_sampling/prompts": generated}
     if not kept:

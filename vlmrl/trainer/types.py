@@ -46,6 +46,7 @@ class StepContext:
     replay: object | None = None  # vlmrl.trainer.replay.Replay: the SFT loss mixed into the update (replay.weight)
     agent: object | None = None  # vlmrl.agent.AgentSpec: multi-turn rollouts with tools (the recipe's `agent`)
     guard: NonfiniteGuard = field(default_factory=NonfiniteGuard)  # optimizer steps skipped for a NaN/inf, run-long
+    signal_share: float | None = None  # dynamic sampling: the last step's share of generated groups with a signal
 
     def __post_init__(self):
         if self.forward is None:
