@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from vlmrl.errors import ConfigError, DataError, PathError
+from vlmrl.models.attention import use_decode_attention
 from vlmrl.models.batch import PromptBatch, PromptEmbeds, PromptTooLongError
 
 PROCESSOR_FILE = "vlmrl_processor.json"
@@ -343,6 +344,7 @@ class VLFamily:
         # FSDP2: a one-image batch that text-only forwards run through the vision tower with weight 0, so every rank
         # gathers and reduces the vision units in every forward and backward (set by trainer.distributed.wrap)
         self.dummy_vision: PromptBatch | None = None
+        use_decode_attention(self.language_model.config)  # CPU decoding steps: vlmrl/models/attention.py
 
     @property
     def inner(self):
