@@ -39,7 +39,8 @@ def test_decode_step_equals_sdpa(heads, kv_heads, masked):
 
 
 def test_everything_but_a_cpu_decoding_step_takes_sdpa(monkeypatch):
-    """Prefill (several query tokens) and any forward with gradients go to transformers' own SDPA."""
+    """Prefill (several query tokens) and any forward with gradients go to transformers' own SDPA; a decoding step
+    without gradients does not."""
     import vlmrl.models.attention as attention
 
     taken = []
@@ -48,8 +49,9 @@ def test_everything_but_a_cpu_decoding_step_takes_sdpa(monkeypatch):
     k = v = torch.randn(3, 2, 5, 8)
     with torch.no_grad():
         decode_sdpa(module, torch.randn(3, 4, 5, 8), k, v, None)  # prefill
+        out, _ = decode_sdpa(module, torch.randn(3, 4, 1, 8), k, v, None)  # a decoding step: the grouped products
     decode_sdpa(module, torch.randn(3, 4, 1, 8), k, v, None)  # gradients on
-    assert taken == [5, 1]
+    assert taken == [5, 1] and out.shape == (3, 1, 4, 8)
 
 
 def test_the_policys_language_model_decodes_with_it(tiny_model_dir):

@@ -138,6 +138,11 @@ def concat_batches(batches: list[Batch], pad_token_id: int) -> Batch:
                  [c for b in batches for c in b.correct])
 
 
+def step_prompt_cap(ctx: StepContext) -> int:
+    """The most prompts one dynamic-sampling step generates for: (1 + max_resample_rounds) x prompts_per_step."""
+    return (1 + ctx.algorithm.max_resample_rounds) * ctx.rollout.prompts_per_step
+
+
 def first_round_size(ctx: StepContext) -> int:
     """How many prompts a step's first generation call draws: prompts_per_step, or under dynamic sampling's fill
     draw as many as the previous step's share of groups with a signal says will fill the batch (at most the step's
@@ -145,7 +150,7 @@ def first_round_size(ctx: StepContext) -> int:
     want, a, share = ctx.rollout.prompts_per_step, ctx.algorithm, ctx.signal_share
     if not (a.dynamic_sampling and a.resample_draw == "fill") or share is None:
         return want
-    cap = (1 + a.max_resample_rounds) * want
+    cap = step_prompt_cap(ctx)
     return cap if share <= 0 else min(cap, max(want, math.ceil(want / share)))
 
 
@@ -156,7 +161,7 @@ def resample_size(ctx: StepContext, found: int, generated: int) -> int:
     want, a = ctx.rollout.prompts_per_step, ctx.algorithm
     if a.resample_draw == "batch":
         return want
-    missing, left = want - found, (1 + a.max_resample_rounds) * want - generated
+    missing, left = want - found, step_prompt_cap(ctx) - generated
     return max(0, min(left, max(missing, math.ceil(missing * generated / max(found, 1)))))
 
 
