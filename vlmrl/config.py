@@ -78,6 +78,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False  # recompute decoder activations in backward: less memory, ~30% slower
     autocast: bool = True  # bf16 autocast of forwards on CUDA (weights stay in `dtype`); CPU always runs `dtype`
     image_cache_mb: Count = 256  # processed images kept in host memory, least recently used out first (0 = off)
+    vision_cache_mb: Count = 256  # a frozen vision tower's features per image (freeze_vision + freeze_projector; 0 = off)
 
 
 @section

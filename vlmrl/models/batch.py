@@ -35,6 +35,7 @@ class PromptBatch:
     vision_rows: dict[str, list[int]] = field(default_factory=dict)
     images_per_prompt: list[int] = field(default_factory=list)
     image_tokens: list[int] = field(default_factory=list)  # placeholder tokens (= features) of each image
+    image_keys: list[int | None] = field(default_factory=list)  # each image's processor-cache serial (or None)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -54,12 +55,12 @@ class PromptBatch:
             start.append(start[-1] + n)
         return [i for p in prompts for i in range(start[p], start[p + 1])]
 
-    def subset(self, prompts: list[int]) -> PromptBatch:
-        """The prompts at positions `prompts` (their images too), with left padding common to all rows removed."""
-        rows = torch.tensor(prompts, dtype=torch.long)
-        mask = self.attention_mask[rows]
-        first = int((mask.cumsum(-1) == 0).sum(-1).min())  # columns that are padding in every kept row
-        images = self.image_range(prompts)
+    def keys_of_images(self) -> list[int | None]:
+        """`image_keys`, one per image (None where a batch was built without them)."""
+        return self.image_keys or [None] * len(self.image_tokens)
+
+    def select_images(self, images: list[int]) -> tuple[dict[str, Tensor], dict[str, list[int]]]:
+        """(vision, vision_rows) of the images at positions `images` (into all images of the batch), in order."""
         vision, vision_rows = {}, {}
         if images:
             for key, tensor in self.vision.items():
@@ -69,9 +70,20 @@ class PromptBatch:
                     start.append(start[-1] + s)
                 vision[key] = torch.cat([tensor[start[i]:start[i + 1]] for i in images])
                 vision_rows[key] = [sizes[i] for i in images]
+        return vision, vision_rows
+
+    def subset(self, prompts: list[int]) -> PromptBatch:
+        """The prompts at positions `prompts` (their images too), with left padding common to all rows removed."""
+        rows = torch.tensor(prompts, dtype=torch.long)
+        mask = self.attention_mask[rows]
+        first = int((mask.cumsum(-1) == 0).sum(-1).min())  # columns that are padding in every kept row
+        images = self.image_range(prompts)
+        vision, vision_rows = self.select_images(images)
+        keys = self.keys_of_images()
         return PromptBatch([self.sample_ids[p] for p in prompts], self.input_ids[rows, first:], mask[:, first:],
                            self.mm_token_type_ids[rows, first:], vision, vision_rows,
-                           [self.images_per_prompt[p] for p in prompts], [self.image_tokens[i] for i in images])
+                           [self.images_per_prompt[p] for p in prompts], [self.image_tokens[i] for i in images],
+                           [keys[i] for i in images])
 
 
 @dataclass
@@ -105,7 +117,7 @@ def concat_prompt_batches(batches: list[PromptBatch], pad_token_id: int) -> Prom
                       torch.cat([left_pad(b.attention_mask, 0) for b in batches]),
                       torch.cat([left_pad(b.mm_token_type_ids, 0) for b in batches]),
                       vision, vision_rows, [n for b in batches for n in b.images_per_prompt],
-                      [n for b in batches for n in b.image_tokens])
+                      [n for b in batches for n in b.image_tokens], [k for b in batches for k in b.keys_of_images()])
     if all(isinstance(b, ConversationBatch) for b in batches):
         return ConversationBatch(**vars(out), completion_tokens=[n for b in batches for n in b.completion_tokens])
     return out

@@ -49,9 +49,10 @@ def enable_gradient_checkpointing(policy: Policy) -> None:
 
 
 def configure_training(policy: Policy, m: ModelConfig) -> Policy:
-    """Apply model.freeze_vision / freeze_projector / gradient_checkpointing / image_cache_mb (after loading, also on
-    resume)."""
+    """Apply model.freeze_vision / freeze_projector / gradient_checkpointing / image_cache_mb / vision_cache_mb
+    (after loading, also on resume)."""
     policy.processor.image_cache.max_bytes = m.image_cache_mb * 2**20
+    policy.family.vision_cache.max_bytes = m.vision_cache_mb * 2**20
     freeze(policy, m.freeze_vision, m.freeze_projector)
     if m.gradient_checkpointing:
         enable_gradient_checkpointing(policy)

@@ -14,10 +14,11 @@ image-token count check — is shared here, so generation and the training forwa
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +27,7 @@ from torch import Tensor
 from vlmrl.errors import ConfigError, DataError, PathError
 from vlmrl.models.attention import use_decode_attention
 from vlmrl.models.batch import PromptBatch, PromptEmbeds, PromptTooLongError
+from vlmrl.models.vision_cache import VisionFeatureCache, image_features
 
 PROCESSOR_FILE = "vlmrl_processor.json"
 
@@ -38,6 +40,7 @@ class ImageInputs:
     vision_rows: dict[str, list[int]]  # rows of each image in each tensor
     placeholders: list[str]  # the text that replaces each image's marker
     tokens: list[int]  # placeholder tokens (= feature vectors) of each image
+    keys: list[int | None] = field(default_factory=list)  # see `ImageCache.serials`; None: not cached
 
 
 class ImageCache:
@@ -50,7 +53,13 @@ class ImageCache:
     Entries are keyed by the image object and dropped when it is garbage-collected (a weak reference), so images
     decoded on use from files are never served stale. Values are each image's slice of every vision tensor, its
     placeholder text and its token count: exactly what `process_images` gives for that image alone, since every
-    family processes images independently and concatenates them along dim 0 (`ImageInputs.vision_rows`)."""
+    family processes images independently and concatenates them along dim 0 (`ImageInputs.vision_rows`).
+
+    Each stored entry also gets a serial number, never reused (`serials`): an image's key for as long as its entry
+    lives, which lets the model side keep what it computes from the image (a frozen vision tower's features,
+    vlmrl.models.vision_cache) without holding or comparing the image itself."""
+
+    serials = itertools.count(1)  # shared by all caches, so two processors never hand out the same key
 
     def __init__(self, max_bytes: int = 256 * 2**20):
         self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
@@ -69,20 +78,22 @@ class ImageCache:
         self.hits += 1
         return entry[1]
 
-    def put(self, image, value: tuple[dict[str, Tensor], str, int]) -> None:
+    def put(self, image, value: tuple[dict[str, Tensor], str, int, int | None]) -> bool:
+        """Keep `value` (tensors, placeholder, tokens, serial) for `image`; False when it is not kept."""
         size = sum(t.numel() * t.element_size() for t in value[0].values() if isinstance(t, Tensor))
         if not self.max_bytes or size > self.max_bytes:
-            return
+            return False
         key = id(image)
         try:
             ref = weakref.ref(image, lambda _, key=key: self._drop(key))
         except TypeError:  # an image type without weak references: not cached
-            return
+            return False
         self._drop(key)
         self.entries[key] = (ref, value, size)
         self.bytes += size
         while self.bytes > self.max_bytes:
             self._drop(next(iter(self.entries)))
+        return key in self.entries
 
     def _drop(self, key: int) -> None:
         entry = self.entries.pop(key, None)
@@ -207,7 +218,8 @@ class VLProcessor:
 
     def processed_images(self, images: list) -> ImageInputs:
         """`process_images`, with each image's tensors from `image_cache` when the same image object was processed
-        before (the images not cached are processed in one call). A changed pixel budget empties the cache."""
+        before (the images not cached are processed in one call). A changed pixel budget empties the cache. `keys`
+        holds each image's cache serial (None for an image the cache did not keep)."""
         budget = repr([getattr(self.image_processor, k, None) for k in ("size", "max_image_size")])
         if budget != getattr(self, "_cached_budget", None):
             self.image_cache.clear()
@@ -221,14 +233,16 @@ class VLProcessor:
             for i, c in enumerate(cached):
                 if c is None:
                     j = next(it)
-                    cached[i] = ({k: parts[j] for k, parts in splits.items()}, fresh.placeholders[j], fresh.tokens[j])
-                    self.image_cache.put(images[i], cached[i])
+                    entry = ({k: parts[j] for k, parts in splits.items()}, fresh.placeholders[j], fresh.tokens[j],
+                             next(ImageCache.serials))
+                    cached[i] = entry if self.image_cache.put(images[i], entry) else (*entry[:3], None)
             if len(missing) == len(images):
+                fresh.keys = [c[3] for c in cached]
                 return fresh
         keys = cached[0][0].keys()
         return ImageInputs({k: torch.cat([c[0][k] for c in cached]) for k in keys},
                            {k: [len(c[0][k]) for c in cached] for k in keys},
-                           [c[1] for c in cached], [c[2] for c in cached])
+                           [c[1] for c in cached], [c[2] for c in cached], [c[3] for c in cached])
 
     def expand(self, text: str, placeholders: list[str], sample_id: str) -> str:
         """Replace the i-th image marker of `text` with `placeholders[i]`."""
@@ -321,7 +335,7 @@ class VLProcessor:
                                  f"'{self.image_token}' but its images give {expected} features: does the problem "
                                  f"text contain '{self.image_token}'?")
         return PromptBatch(list(sample_ids), input_ids, mask, mm, inputs.vision, inputs.vision_rows,
-                           [len(i) for i in images], inputs.tokens)
+                           [len(i) for i in images], inputs.tokens, inputs.keys)
 
 
 def unwrap_peft(model):
@@ -335,10 +349,14 @@ class VLFamily:
     language_attr = "language_model"  # the decoder, an attribute of model.model
     vision_prefixes: tuple[str, ...] = ()  # parameter-name prefixes of the vision tower (projector excluded)
     projector_prefixes: tuple[str, ...] = ()  # parameter-name prefixes of the vision-to-text projector
+    # image_features gives one row per placeholder token, image by image, and no extras: a frozen tower's rows can
+    # be kept per image (vlmrl.models.vision_cache)
+    features_cacheable = False
 
     def __init__(self, model):
         self.model = unwrap_peft(model)
         self.vision_calls = 0  # images run through the vision tower (one pass per prompt image, issue 8)
+        self.vision_cache = VisionFeatureCache()  # a frozen tower's features per image (model.vision_cache_mb)
         # forwards on CUDA run under bf16 autocast (model.autocast: false turns it off); CPU runs in the weights' dtype
         self.autocast_dtype: torch.dtype | None = torch.bfloat16
         # FSDP2: a one-image batch that text-only forwards run through the vision tower with weight 0, so every rank
@@ -411,8 +429,8 @@ class VLFamily:
             embeds = self.embed_tokens(ids.masked_fill(place, 0))
             extras: dict[str, Tensor] = {}
             if batch.vision:
-                feats, extras = self.image_features(batch)
-                self.vision_calls += sum(batch.images_per_prompt)
+                feats, extras, computed = image_features(self, batch)
+                self.vision_calls += computed
                 if int(place.sum()) != feats.shape[0]:
                     raise DataError(f"prompts {batch.sample_ids[:3]}...: {int(place.sum())} image placeholder "
                                      f"tokens but {feats.shape[0]} image features")

@@ -121,6 +121,7 @@ class QwenVLFamily(VLFamily):
 
     vision_prefixes = ("model.visual.",)
     projector_prefixes = ("model.visual.merger.",)
+    features_cacheable = True
 
     def __init__(self, model):
         super().__init__(model)
@@ -198,6 +199,7 @@ class Qwen3VLFamily(QwenVLFamily):
     """Qwen3-VL: Qwen2-VL's layout plus deepstack features added to image tokens in the first decoder layers."""
 
     projector_prefixes = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
+    features_cacheable = False  # the deepstack features are extras
 
     def image_features(self, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
         out = self.vision_output(batch)

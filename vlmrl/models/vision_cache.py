@@ -1,0 +1,106 @@
+"""A frozen vision tower's image features, kept per image.
+
+With `model.freeze_vision` and `model.freeze_projector` (or under LoRA without `include_vision`, where PEFT freezes
+every base weight) the features of an image never change during training, yet every generation call, every training
+forward and every evaluation runs the vision tower on each of its images again. This cache keeps each image's
+features the first time they are computed and hands them back after that, exactly as the tower would compute them
+again (the tower processes images independently: a feature row depends on its own image only).
+
+An image's key is its processor-cache serial (`PromptBatch.image_keys`, vlmrl.models.families.base.ImageCache):
+a batch built without keys (multi-turn conversations) or with the processor cache off runs the tower as before.
+The cache checks the tower's weights on every call (the storage and in-place version counter of each vision and
+projector parameter) and starts over when any changed: a loaded checkpoint or an optimizer step on a weight that was
+unfrozen is never served stale features. It applies only where every vision and projector weight is frozen, the
+family declares its features cacheable (one feature row per placeholder token, no per-prompt extras), and no FSDP2
+dummy image is in use (FSDP2 needs the tower in every forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from vlmrl.models.batch import PromptBatch
+
+
+class VisionFeatureCache:
+    """Image features by image key, least recently used evicted past `max_bytes` (0 = off)."""
+
+    def __init__(self, max_bytes: int = 256 * 2**20):
+        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
+        self.entries: OrderedDict[int, Tensor] = OrderedDict()
+        self.weights: tuple | None = None  # the fingerprint of the weights the entries were computed with
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def check_weights(self, params: list[Tensor]) -> None:
+        """Start over unless `params` are the same tensors, unmodified, as when the entries were computed."""
+        fingerprint = tuple((p.data_ptr(), p._version) for p in params)
+        if fingerprint != self.weights:
+            self.clear()
+            self.weights = fingerprint
+
+    def get(self, key: int | None) -> Tensor | None:
+        entry = self.entries.get(key) if key is not None else None
+        if entry is None:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(key)
+        self.hits += 1
+        return entry
+
+    def put(self, key: int | None, features: Tensor) -> None:
+        size = features.numel() * features.element_size()
+        if key is None or size > self.max_bytes:
+            return
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.numel() * old.element_size()
+        self.entries[key] = features.detach()
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, dropped = self.entries.popitem(last=False)
+            self.bytes -= dropped.numel() * dropped.element_size()
+
+
+def frozen_vision_params(family) -> list[Tensor] | None:
+    """The vision tower's and projector's parameters when none of them trains, else None."""
+    prefixes = family.vision_prefixes + family.projector_prefixes
+    params = [p for name, p in family.model.named_parameters() if name.startswith(prefixes)]
+    if not params or any(p.requires_grad for p in params):
+        return None
+    return params
+
+
+def image_features(family, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor], int]:
+    """`family.image_features(batch)`, from `family.vision_cache` where it applies (see the module docstring);
+    returns (features, extras, images run through the tower)."""
+    cache, keys = family.vision_cache, batch.keys_of_images()
+    params = frozen_vision_params(family) if (family.features_cacheable and cache.max_bytes
+                                              and family.dummy_vision is None
+                                              and any(k is not None for k in keys)) else None
+    if params is None:
+        feats, extras = family.image_features(batch)
+        return feats, extras, len(keys)
+    cache.check_weights(params)
+    found = [cache.get(k) for k in keys]
+    missing = [i for i, f in enumerate(found) if f is None]
+    if missing:
+        vision, vision_rows = batch.select_images(missing)
+        # image_features reads the image tensors only (`vision`), so a batch of just the missing images will do
+        sub = dataclasses.replace(batch, vision=vision, vision_rows=vision_rows, images_per_prompt=[len(missing)],
+                                  image_tokens=[batch.image_tokens[i] for i in missing],
+                                  image_keys=[keys[i] for i in missing])
+        feats, extras = family.image_features(sub)
+        if extras:
+            raise ValueError(f"{type(family).__name__}: features_cacheable is set but image_features returns "
+                             f"per-prompt extras {sorted(extras)}")
+        for i, part in zip(missing, feats.split(sub.image_tokens), strict=True):
+            found[i] = part
+            cache.put(keys[i], part.clone())  # a copy: a kept view would keep the whole call's features alive
+    return (found[0] if len(found) == 1 else torch.cat(found)), {}, len(missing)
