@@ -277,3 +277,32 @@ def test_prompt_lengths_without_images_equal_the_built_prompts(family, family_di
     lengths = policy.processor.prompt_lengths([s["problem"] for s in mixed_samples],
                                               [s["images"] for s in mixed_samples], [s["id"] for s in mixed_samples])
     assert lengths == batch.attention_mask.sum(-1).tolist()
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_a_frozen_tower_runs_once_per_image_with_the_same_embeddings(family, family_dirs, mixed_samples):
+    from vlmrl.models.trainable import freeze
+
+    policy = load_policy(family_dirs[family])
+    freeze(policy, vision=True, projector=True)
+    fam = policy.family
+    batch = make_prompts(policy, mixed_samples)
+
+    def plain(b):
+        size, fam.vision_cache.max_bytes = fam.vision_cache.max_bytes, 0
+        try:
+            return fam.prompt_embeds(b)
+        finally:
+            fam.vision_cache.max_bytes = size
+
+    with torch.no_grad():
+        first = fam.prompt_embeds(batch)  # fills the cache
+        before = fam.vision_calls
+        part = batch.subset([3, 1, 0])  # the wide image, the two-image prompt, the one-image prompt
+        again = fam.prompt_embeds(part)
+        assert fam.vision_calls - before == (0 if fam.features_cacheable else 4)
+        for ours, theirs in ((first, plain(batch)), (again, plain(part))):
+            torch.testing.assert_close(ours.embeds, theirs.embeds, rtol=1e-5, atol=1e-6)
+            assert ours.extras.keys() == theirs.extras.keys()
+            for key in ours.extras:
+                torch.testing.assert_close(ours.extras[key], theirs.extras[key], rtol=1e-5, atol=1e-6)

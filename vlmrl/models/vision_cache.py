@@ -11,8 +11,9 @@ a batch built without keys (multi-turn conversations) or with the processor cach
 The cache checks the tower's weights on every call (the storage and in-place version counter of each vision and
 projector parameter) and starts over when any changed: a loaded checkpoint or an optimizer step on a weight that was
 unfrozen is never served stale features. It applies only where every vision and projector weight is frozen, the
-family declares its features cacheable (one feature row per placeholder token, no per-prompt extras), and no FSDP2
-dummy image is in use (FSDP2 needs the tower in every forward).
+family declares its features cacheable (one feature row per placeholder token, no extras computed from the images:
+every family but Qwen3-VL, whose deepstack features are such extras), and no FSDP2 dummy image is in use (FSDP2
+needs the tower in every forward).
 """
 
 from __future__ import annotations

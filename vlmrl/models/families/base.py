@@ -393,6 +393,11 @@ class VLFamily:
         """Features [n_placeholder_tokens, H] of all images, in placeholder order, and per-prompt extras."""
         raise NotImplementedError
 
+    def prompt_extras(self, batch: PromptBatch) -> dict[str, Tensor]:
+        """Per-prompt extras read from the prompt's tokens, not from its images' features (Gemma 3's image-token
+        mask): kept apart from `image_features`, so that a frozen tower's features can be kept per image."""
+        return {}
+
     @property
     def uniform_calls(self) -> bool:
         """Every training forward runs the same modules in the same order whatever its rows (FSDP2's collectives
@@ -430,6 +435,7 @@ class VLFamily:
             extras: dict[str, Tensor] = {}
             if batch.vision:
                 feats, extras, computed = image_features(self, batch)
+                extras = {**extras, **self.prompt_extras(batch)}
                 self.vision_calls += computed
                 if int(place.sum()) != feats.shape[0]:
                     raise DataError(f"prompts {batch.sample_ids[:3]}...: {int(place.sum())} image placeholder "

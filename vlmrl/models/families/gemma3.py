@@ -47,11 +47,15 @@ class Gemma3Processor(VLProcessor):
 class Gemma3Family(VLFamily):
     vision_prefixes = ("model.vision_tower.",)
     projector_prefixes = ("model.multi_modal_projector.",)
+    features_cacheable = True  # each image's features from that image alone (vlmrl.models.vision_cache)
 
     def image_features(self, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
         out = self.inner.get_image_features(batch.vision["pixel_values"].to(self.device), return_dict=True)
         feats = out.pooler_output
-        return feats.reshape(-1, feats.shape[-1]), {"image_mask": batch.mm_token_type_ids.to(self.device)}
+        return feats.reshape(-1, feats.shape[-1]), {}
+
+    def prompt_extras(self, batch: PromptBatch) -> dict[str, Tensor]:
+        return {"image_mask": batch.mm_token_type_ids.to(self.device)}  # image blocks attend bidirectionally
 
     def forward_hidden(self, embeds: Tensor, attention_mask: Tensor, position_ids: Tensor, cache=None,
                        extras: dict[str, Tensor] | None = None) -> Tensor:

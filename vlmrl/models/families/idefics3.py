@@ -86,6 +86,7 @@ class Idefics3Family(VLFamily):
     language_attr = "text_model"
     vision_prefixes = ("model.vision_model.",)
     projector_prefixes = ("model.connector.",)
+    features_cacheable = True  # each image's features from that image alone (vlmrl.models.vision_cache)
 
     def image_features(self, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
         pixels = batch.vision["pixel_values"].to(self.device).unsqueeze(0)  # [1, tiles, C, S, S]

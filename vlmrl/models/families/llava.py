@@ -53,6 +53,7 @@ class LlavaProcessor(VLProcessor):
 class LlavaFamily(VLFamily):
     vision_prefixes = ("model.vision_tower.",)
     projector_prefixes = ("model.multi_modal_projector.",)
+    features_cacheable = True  # each image's features from that image alone (vlmrl.models.vision_cache)
 
     def image_features(self, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
         cfg = self.model.config
