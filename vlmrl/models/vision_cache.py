@@ -11,9 +11,9 @@ a batch built without keys (multi-turn conversations) or with the processor cach
 The cache checks the tower's weights on every call (the storage and in-place version counter of each vision and
 projector parameter) and starts over when any changed: a loaded checkpoint or an optimizer step on a weight that was
 unfrozen is never served stale features. It applies only where every vision and projector weight is frozen, the
-family declares its features cacheable (one feature row per placeholder token, no extras computed from the images:
-every family but Qwen3-VL, whose deepstack features are such extras), and no FSDP2 dummy image is in use (FSDP2
-needs the tower in every forward).
+family declares its rows cacheable (`image_features` gives one row per placeholder token, each from its own image, and
+no extras; what depends on the prompt comes after, from `finish_features`), and no FSDP2 dummy image is in use
+(FSDP2 needs the tower in every forward).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def frozen_vision_params(family) -> list[Tensor] | None:
 
 def image_features(family, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor], int]:
     """`family.image_features(batch)`, from `family.vision_cache` where it applies (see the module docstring);
-    returns (features, extras, images run through the tower)."""
+    returns (rows, extras, images run through the tower)."""
     cache, keys = family.vision_cache, batch.keys_of_images()
     params = frozen_vision_params(family) if (family.features_cacheable and cache.max_bytes
                                               and family.dummy_vision is None

@@ -349,8 +349,8 @@ class VLFamily:
     language_attr = "language_model"  # the decoder, an attribute of model.model
     vision_prefixes: tuple[str, ...] = ()  # parameter-name prefixes of the vision tower (projector excluded)
     projector_prefixes: tuple[str, ...] = ()  # parameter-name prefixes of the vision-to-text projector
-    # image_features gives one row per placeholder token, image by image, and no extras: a frozen tower's rows can
-    # be kept per image (vlmrl.models.vision_cache)
+    # image_features gives one row per placeholder token, image by image, each from its own image, and no extras: a
+    # frozen tower's rows can be kept per image (vlmrl.models.vision_cache)
     features_cacheable = False
 
     def __init__(self, model):
@@ -390,13 +390,16 @@ class VLFamily:
         return self.inner.get_input_embeddings()(ids)
 
     def image_features(self, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        """Features [n_placeholder_tokens, H] of all images, in placeholder order, and per-prompt extras."""
+        """Rows [n_placeholder_tokens, ...] of all images, in placeholder order (the features, unless
+        `finish_features` makes them from the rows), and per-prompt extras."""
         raise NotImplementedError
 
-    def prompt_extras(self, batch: PromptBatch) -> dict[str, Tensor]:
-        """Per-prompt extras read from the prompt's tokens, not from its images' features (Gemma 3's image-token
-        mask): kept apart from `image_features`, so that a frozen tower's features can be kept per image."""
-        return {}
+    def finish_features(self, batch: PromptBatch, rows: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """(features [n_placeholder_tokens, H], per-prompt extras) from `image_features`' rows, one per placeholder
+        token. By default the rows are the features and there are no extras; Gemma 3 adds its image-token mask,
+        Qwen3-VL unpacks its deepstack features. Kept apart from `image_features` so that its rows, which depend on
+        each image alone, can be kept per image for a frozen tower (vlmrl.models.vision_cache)."""
+        return rows, {}
 
     @property
     def uniform_calls(self) -> bool:
@@ -434,8 +437,9 @@ class VLFamily:
             embeds = self.embed_tokens(ids.masked_fill(place, 0))
             extras: dict[str, Tensor] = {}
             if batch.vision:
-                feats, extras, computed = image_features(self, batch)
-                extras = {**extras, **self.prompt_extras(batch)}
+                rows, extras, computed = image_features(self, batch)
+                feats, more = self.finish_features(batch, rows)
+                extras = {**extras, **more}
                 self.vision_calls += computed
                 if int(place.sum()) != feats.shape[0]:
                     raise DataError(f"prompts {batch.sample_ids[:3]}...: {int(place.sum())} image placeholder "

@@ -54,8 +54,8 @@ class Gemma3Family(VLFamily):
         feats = out.pooler_output
         return feats.reshape(-1, feats.shape[-1]), {}
 
-    def prompt_extras(self, batch: PromptBatch) -> dict[str, Tensor]:
-        return {"image_mask": batch.mm_token_type_ids.to(self.device)}  # image blocks attend bidirectionally
+    def finish_features(self, batch: PromptBatch, rows: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        return rows, {"image_mask": batch.mm_token_type_ids.to(self.device)}  # image blocks attend bidirectionally
 
     def forward_hidden(self, embeds: Tensor, attention_mask: Tensor, position_ids: Tensor, cache=None,
                        extras: dict[str, Tensor] | None = None) -> Tensor:

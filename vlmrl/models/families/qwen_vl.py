@@ -199,13 +199,17 @@ class Qwen3VLFamily(QwenVLFamily):
     """Qwen3-VL: Qwen2-VL's layout plus deepstack features added to image tokens in the first decoder layers."""
 
     projector_prefixes = ("model.visual.merger.", "model.visual.deepstack_merger_list.")
-    features_cacheable = False  # the deepstack features are extras
 
     def image_features(self, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        """Rows [n_tokens, 1 + layers, H]: each placeholder token's feature, then its deepstack features."""
         out = self.vision_output(batch)
         feats = torch.cat(out.pooler_output, dim=0)
-        # deepstack [n_tokens, layers, H] in placeholder order, packed per prompt row: [P, V_max, layers, H]
         deep = torch.stack([torch.cat(layer, dim=0) for layer in out.deepstack_features], dim=1)
+        return torch.cat([feats[:, None], deep], dim=1), {}
+
+    def finish_features(self, batch: PromptBatch, rows: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        feats, deep = rows[:, 0], rows[:, 1:]
+        # deepstack [n_tokens, layers, H] in placeholder order, packed per prompt row: [P, V_max, layers, H]
         place = batch.mm_token_type_ids.to(feats.device).bool()
         counts = place.sum(-1)
         packed = deep.new_zeros(len(batch), int(counts.max()), *deep.shape[1:])
