@@ -57,6 +57,8 @@ Figures, per case (table columns; JSON keys in brackets)
   over steps). With the HF engine it measures the KV-cached sampler against the training forward; with vLLM it
   also shows whether pushed weights arrived: AdamW's first step moves every weight by about the learning rate, so
   a push that did not arrive is expected to show as a gap far above bf16 rounding from the second step on.
+  The LoRA cases keep the frozen tower's image features (vlmrl.models.vision_cache): there the sampler and the
+  training forward both read kept features, computed once in bf16 on the GPU.
 - clip [clip_fraction]: PPO's clipped-token fraction, mean over steps; with one epoch and one minibatch the ratio
   starts at exactly 1, so anything but ~0 means the training forward does not reproduce its own log-probs.
 - also in the JSON: rollouts_per_second, reward_mean (reward/total/mean), grad_norm, loss, train_steps, wall_s,
