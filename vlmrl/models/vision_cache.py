@@ -31,7 +31,7 @@ class VisionFeatureCache:
     """Image features by image key, least recently used evicted past `max_bytes` (0 = off)."""
 
     def __init__(self, max_bytes: int = 256 * 2**20):
-        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
+        self.max_bytes, self.bytes = max_bytes, 0
         self.entries: OrderedDict[int, Tensor] = OrderedDict()
         self.weights: tuple | None = None  # the fingerprint of the weights the entries were computed with
 
@@ -48,11 +48,8 @@ class VisionFeatureCache:
 
     def get(self, key: int | None) -> Tensor | None:
         entry = self.entries.get(key) if key is not None else None
-        if entry is None:
-            self.misses += 1
-            return None
-        self.entries.move_to_end(key)
-        self.hits += 1
+        if entry is not None:
+            self.entries.move_to_end(key)
         return entry
 
     def put(self, key: int | None, features: Tensor) -> None:
@@ -71,14 +68,16 @@ class VisionFeatureCache:
 
 def frozen_vision_params(family) -> list[Tensor] | None:
     """The vision tower's and projector's parameters when none of them trains, else None."""
-    prefixes = family.vision_prefixes + family.projector_prefixes
-    params = [p for name, p in family.model.named_parameters() if name.startswith(prefixes)]
-    if not params or any(p.requires_grad for p in params):
-        return None
-    return params
+    prefixes, params = family.vision_prefixes + family.projector_prefixes, []
+    for name, p in family.model.named_parameters():
+        if name.startswith(prefixes):
+            if p.requires_grad:  # (a training tower, the quickstart's: every generation call asks, so stop here)
+                return None
+            params.append(p)
+    return params or None
 
 
-def image_features(family, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor], int]:
+def cached_image_features(family, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor], int]:
     """`family.image_features(batch)`, from `family.vision_cache` where it applies (see the module docstring);
     returns (rows, extras, images run through the tower)."""
     cache, keys = family.vision_cache, batch.keys_of_images()

@@ -36,7 +36,9 @@ class MetricsLogger:
         record = {"phase": phase, "step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
-            self._tb.add_event(scalar_event(record, step, phase))
+            event = scalar_event(record, step, phase)
+            if event.summary.value:  # (a record of text only writes no event)
+                self._tb.add_event(event)
         if self._wandb is not None:  # each phase on its own x-axis (sft steps, generation steps)
             self._wandb.define_metric(f"{phase}/*", step_metric=f"{phase}/step")
             self._wandb.log({f"{phase}/{k}": v for k, v in record.items()

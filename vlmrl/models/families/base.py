@@ -27,7 +27,7 @@ from torch import Tensor
 from vlmrl.errors import ConfigError, DataError, PathError
 from vlmrl.models.attention import use_decode_attention
 from vlmrl.models.batch import PromptBatch, PromptEmbeds, PromptTooLongError
-from vlmrl.models.vision_cache import VisionFeatureCache, image_features
+from vlmrl.models.vision_cache import VisionFeatureCache, cached_image_features
 
 PROCESSOR_FILE = "vlmrl_processor.json"
 
@@ -437,7 +437,7 @@ class VLFamily:
             embeds = self.embed_tokens(ids.masked_fill(place, 0))
             extras: dict[str, Tensor] = {}
             if batch.vision:
-                rows, extras, computed = image_features(self, batch)
+                rows, extras, computed = cached_image_features(self, batch)
                 feats, more = self.finish_features(batch, rows)
                 extras = {**extras, **more}
                 self.vision_calls += computed
