@@ -116,3 +116,73 @@ def test_every_prompt_position_and_step_samples_from_its_own_stream(tiny_model_d
     assert set(answers(2)).isdisjoint(step1)  # the next step: fresh answers at every position
     assert set(answers(1, round_index=1)).isdisjoint(step1)  # a dynamic-sampling round: fresh answers too
     assert answers(1) == step1  # and all of it is a function of (seed, step, round, position): reproducible
+
+
+def rows_per_step(policy, run):
+    """Run `run()` and return the rows of each decoding forward (the prefill, whose input is longer, excluded)."""
+    calls, forward = [], policy.family.forward_hidden
+
+    def counted(embeds, *args, **kwargs):
+        if embeds.shape[1] == 1:
+            calls.append(embeds.shape[0])
+        return forward(embeds, *args, **kwargs)
+
+    policy.family.forward_hidden = counted
+    try:
+        return run(), calls
+    finally:
+        del policy.family.forward_hidden
+
+
+def distinct_prefixes(r, t: int) -> int:
+    """How many distinct (prompt, first t + 1 tokens) the answers still generating after token t have."""
+    alive = r.completion_mask[:, t + 1].bool() if t + 1 < r.completion_mask.shape[1] else None
+    if alive is None:
+        return 0
+    return len({(int(p), tuple(ids[:t + 1].tolist())) for p, ids, a in
+                zip(r.prompt_index, r.completion_ids, alive, strict=True) if a})
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(group=st.sampled_from([1, 3, 8]), temperature=st.sampled_from([0.0, 0.5, 1.0, 2.0]),
+       top_k=st.sampled_from([0, 3]), seed=st.integers(0, 10_000))
+def test_answers_that_share_a_prefix_share_a_decoding_row(policy, count_samples, group, temperature, top_k, seed):
+    """Each decoding step runs one row per distinct (prompt, answer so far) among the unfinished answers, and the
+    answers, masks and log-probs are those of one row per answer (share_prefixes=False). A sharing bug that fed an
+    answer another prefix's distribution, or dropped a prefix, changes the tokens or the row counts here."""
+    prompts = make_prompts(policy, count_samples[:5])
+    seeds = [seed + i for i in range(5)]
+
+    def run(share):
+        return generate(policy, prompts, group, 8, temperature, top_k=top_k, prompt_seeds=seeds, share_prefixes=share)
+
+    shared, shared_rows = rows_per_step(policy, lambda: run(True))
+    plain, plain_rows = rows_per_step(policy, lambda: run(False))
+    assert torch.equal(shared.completion_ids, plain.completion_ids)
+    assert torch.equal(shared.completion_mask, plain.completion_mask)
+    assert torch.equal(shared.truncated, plain.truncated)
+    assert torch.allclose(shared.logprobs, plain.logprobs, atol=1e-5)
+    assert shared_rows == [distinct_prefixes(shared, t) for t in range(len(shared_rows))]
+    assert plain_rows == [int(plain.completion_mask[:, t + 1].sum()) for t in range(len(plain_rows))]
+
+
+def test_a_greedy_group_decodes_one_row_per_prompt(policy, count_samples):
+    """G greedy answers of one prompt are one answer: every decoding step runs one row per unfinished prompt."""
+    prompts = make_prompts(policy, count_samples[:4])
+    r, rows = rows_per_step(policy, lambda: generate(policy, prompts, 6, 8, temperature=0.0))
+    assert rows and all(n <= 4 for n in rows)
+    assert all((r.completion_ids[i * 6:(i + 1) * 6] == r.completion_ids[i * 6]).all() for i in range(4))
+
+
+def test_an_answer_ended_by_on_token_stops_while_its_prefix_twins_go_on(policy, count_samples):
+    """The server's per-request stop ends one answer of a shared row; the others keep decoding that row."""
+    prompts = make_prompts(policy, count_samples[:2])
+
+    def stop_first_answer(tokens, alive):
+        ended = torch.zeros_like(alive)
+        ended[0] = True
+        return ended
+
+    r = generate(policy, prompts, 3, 6, temperature=0.0, on_token=stop_first_answer)
+    assert int(r.completion_mask[0].sum()) == 1
+    assert int(r.completion_mask[1].sum()) > 1 and torch.equal(r.completion_ids[1], r.completion_ids[2])

@@ -1,7 +1,12 @@
 """Stage I, collect: G answers per prompt in one batched, KV-cached sampling loop.
 
-Each prompt's images go through the vision tower once; the prompt embeddings are then repeated for the G answers of
-its group (not the pixels). The loop records each sampled token's log-probability under the temperature-scaled
+Each prompt's images go through the vision tower and its tokens through the prefill once, for all G answers of its
+group. Each decoding step then runs one row per distinct answer prefix: the answers of a prompt that sampled the
+same tokens so far have the same next-token distribution, so they share a row (and its KV cache row) until their
+tokens differ. Each answer still draws its own token from that distribution. A policy that answers most prompts the
+same way (RL on short answers, late in training) decodes a few rows per prompt instead of G. `share_prefixes=False`
+runs one row per unfinished answer; both compute the same distributions, up to float rounding in matrix products
+over a different number of rows. The loop records each sampled token's log-probability under the temperature-scaled
 distribution (logits upcast to float32 first) — the same quantity the training forward recomputes; the update
 logs the gap between the two (rollout/logprob_gap_*).
 """
@@ -76,18 +81,23 @@ def concat_rollouts(rollouts: list[Rollout], pad_token_id: int) -> Rollout:
 
 
 def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
-                  generator: torch.Generator | None = None, uniform: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                  generator: torch.Generator | None = None, uniform: Tensor | None = None,
+                  rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Sample one token per row; return (tokens, log-prob of each under softmax(logits / temperature)).
 
     temperature == 0 is greedy decoding (log-probs then at temperature 1). top-k / top-p restrict what is sampled;
     the returned log-probs stay those of the unrestricted tempered distribution, which is what training recomputes.
+    `rows` [N]: sample N tokens, token n from logits row rows[n] (answers that share a prefix share their logits).
     """
     logits = logits.float()
     if temperature <= 0:
         tokens = logits.argmax(-1)
-        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
+        return (tokens, logp) if rows is None else (tokens[rows], logp[rows])
     # [rows, vocab] temporaries are few and updated in place: with a real vocabulary each is ~0.6 MB per row
     logp = torch.log_softmax(logits / temperature, -1)
+    if rows is not None:
+        logp = logp[rows]
     filtered = logp
     if top_k > 0:
         kth = logp.topk(min(top_k, logp.shape[-1]), -1).values[:, -1:]
@@ -109,7 +119,8 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
 @torch.no_grad()
 def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
-             prompt_seeds: list[int] | None = None, on_token: OnToken | None = None) -> Rollout:
+             prompt_seeds: list[int] | None = None, on_token: OnToken | None = None,
+             share_prefixes: bool = True) -> Rollout:
     """Sample `group_size` completions for every prompt in one batched call (a list: that many for each prompt).
 
     With `prompt_seeds` (one per prompt), each prompt's answers draw their noise from their own random stream, so
@@ -124,22 +135,14 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
     sizes = [group_size] * len(prompts) if isinstance(group_size, int) else [int(g) for g in group_size]
     index = torch.arange(len(prompts)).repeat_interleave(torch.tensor(sizes, dtype=torch.long))
     pe = family.prompt_embeds(prompts)
-    # the prompt is encoded (vision tower and prefill) once; its KV cache is then repeated for the G answers
+    # the prompt is encoded (vision tower and prefill) once; each decoding step then runs one row per distinct
+    # answer prefix (module docstring): `phys[n]` is answer n's row of `hidden` and of the cache
     cache = family.new_cache(reserve=max_new_tokens)
     hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache, pe.extras)[:, -1]
-    if isinstance(group_size, int) and group_size > 1:
-        cache.batch_repeat_interleave(group_size)
-        hidden = hidden.repeat_interleave(group_size, dim=0)
-    elif not isinstance(group_size, int) and len(index) != len(prompts):  # answers per prompt vary (the server)
-        cache.batch_select_indices(index.to(hidden.device))
-        hidden = hidden[index.to(hidden.device)]
     n, device = len(index), pe.embeds.device
-    rows = index.to(device)  # each answer's prompt row (the prompt's embeddings are not needed after the prefill)
-    next_position = pe.next_position[rows]
+    phys = index.to(device)
+    row_prompt = torch.arange(len(prompts), device=device)  # each computed row's prompt
     eos = torch.tensor(policy.eos_token_ids, device=device)
-    # the attention mask, with the answer's columns reserved: step t fills column L + t (no concatenation per step)
-    length = pe.attention_mask.shape[1]
-    full_mask = torch.cat([pe.attention_mask[rows], pe.attention_mask.new_zeros(n, max_new_tokens)], dim=1)
     tokens, logps, alive_steps = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)
     streams, uniform = None, None
@@ -155,7 +158,7 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
             for i, g in enumerate(streams):  # each prompt's answers from its own stream, written in place
                 torch.rand(sizes[i], logits.shape[-1], generator=g, device=device,
                            out=uniform[starts[i]:starts[i + 1]])
-        tok, logp = sample_tokens(logits, temperature, top_k, top_p, generator, uniform)
+        tok, logp = sample_tokens(logits, temperature, top_k, top_p, generator, uniform, rows=phys)
         tok = torch.where(alive, tok, policy.pad_token_id)
         tokens.append(tok)
         logps.append(torch.where(alive, logp, 0.0))
@@ -167,10 +170,22 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
                 alive = alive & ~ended.to(device)
         if not alive.any() or t == max_new_tokens - 1:
             break
-        full_mask[:, length + t] = alive_steps[-1]
-        pos = (next_position + t).view(1, n, 1).expand(3, n, 1)
-        hidden = family.forward_hidden(family.embed_tokens(tok[:, None]), full_mask[:, :length + t + 1], pos,
-                                       cache)[:, -1]
+        # the next rows, and which of them each answer still generating reads (a finished answer reads row 0: its
+        # token is padding from here on, whatever that row samples)
+        live, vocab = alive.nonzero().squeeze(1), logits.shape[-1]
+        if share_prefixes:  # one row per distinct (row, token)
+            key, inverse = torch.unique(phys[live] * vocab + tok[live], return_inverse=True)
+            parent, step_tok = key // vocab, key % vocab
+        else:  # one row per answer
+            inverse = torch.arange(len(live), device=device)
+            parent, step_tok = phys[live], tok[live]
+        phys = torch.zeros_like(phys).index_put_((live,), inverse)
+        cache.batch_select_indices(parent)  # (a copy of each kept row's cache, also when no answer split)
+        row_prompt = row_prompt[parent]
+        rows = len(row_prompt)
+        mask = torch.cat([pe.attention_mask[row_prompt], pe.attention_mask.new_ones(rows, t + 1)], dim=1)
+        pos = (pe.next_position[row_prompt] + t).view(1, rows, 1).expand(3, rows, 1)
+        hidden = family.forward_hidden(family.embed_tokens(step_tok[:, None]), mask, pos, cache)[:, -1]
     completion_ids = torch.stack(tokens, 1)
     completion_mask = torch.stack(alive_steps, 1).long()
     texts = policy.processor.tokenizer.batch_decode(
