@@ -182,9 +182,9 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
         phys = torch.zeros_like(phys).index_put_((live,), inverse)
         cache.batch_select_indices(parent)  # (a copy of each kept row's cache, also when no answer split)
         row_prompt = row_prompt[parent]
-        rows = len(row_prompt)
-        mask = torch.cat([pe.attention_mask[row_prompt], pe.attention_mask.new_ones(rows, t + 1)], dim=1)
-        pos = (pe.next_position[row_prompt] + t).view(1, rows, 1).expand(3, rows, 1)
+        count = len(row_prompt)
+        mask = torch.cat([pe.attention_mask[row_prompt], pe.attention_mask.new_ones(count, t + 1)], dim=1)
+        pos = (pe.next_position[row_prompt] + t).view(1, count, 1).expand(3, count, 1)
         hidden = family.forward_hidden(family.embed_tokens(step_tok[:, None]), mask, pos, cache)[:, -1]
     completion_ids = torch.stack(tokens, 1)
     completion_mask = torch.stack(alive_steps, 1).long()
