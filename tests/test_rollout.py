@@ -118,12 +118,13 @@ def test_every_prompt_position_and_step_samples_from_its_own_stream(tiny_model_d
     assert answers(1) == step1  # and all of it is a function of (seed, step, round, position): reproducible
 
 
-def rows_per_step(policy, run):
-    """Run `run()` and return the rows of each decoding forward (the prefill, whose input is longer, excluded)."""
+def rows_per_step(policy, run, width: int = 1):
+    """Run `run()` and return the rows of each decoder call on `width` tokens per row (1: each decoding step; the
+    prefill, whose rows are whole prompts, is left out)."""
     calls, forward = [], policy.family.forward_hidden
 
     def counted(embeds, *args, **kwargs):
-        if embeds.shape[1] == 1:
+        if embeds.shape[1] == width:
             calls.append(embeds.shape[0])
         return forward(embeds, *args, **kwargs)
 
@@ -187,3 +188,36 @@ def test_an_answer_ended_by_on_token_stops_while_its_prefix_twins_go_on(policy, 
     r = generate(policy, prompts, 3, 6, temperature=0.0, on_token=stop_first_answer)
     assert int(r.completion_mask[0].sum()) == 1
     assert int(r.completion_mask[1].sum()) > 1 and torch.equal(r.completion_ids[1], r.completion_ids[2])
+
+
+def test_equal_answers_are_scored_once_with_the_gradients_of_every_copy(policy, count_samples):
+    """The training forward runs each distinct (prompt, answer) once; log-probs, entropies and every gradient equal
+    those of one row per answer (a copy that dropped its duplicates' gradients, or scored one answer with another's
+    tokens, fails here), and the decoder's answer pass ran fewer rows."""
+    prompts = make_prompts(policy, count_samples[:3])
+    pad, eos = policy.pad_token_id, policy.eos_token_ids[0]
+    a, b, c = [7, 8, 9, eos], [7, 9, eos, pad], [8, eos, pad, pad]
+    answers = [a, b, a, c, a, a, b, b, c, b, a, c]  # prompt p owns rows 4p..4p+3: 8 distinct (prompt, answer)
+    ids = torch.tensor(answers)
+    mask = (ids != pad).long()
+    index = torch.arange(3).repeat_interleave(4)
+    params = [p for p in policy.model.parameters() if p.requires_grad]
+    weights = torch.linspace(0.5, 1.5, ids.numel()).view_as(ids.float())
+
+    def scored(shared: bool):
+        pe = policy.family.prompt_embeds(prompts)
+        out = completion_logprobs(policy.family, pe if shared else pe.select(index), ids, mask, 1.0,
+                                  with_entropy=True, entropy_grad=True, rows=index if shared else None)
+        grads = torch.autograd.grad((out.logprobs * weights).sum() + out.entropy.sum(), params, allow_unused=True)
+        return out, grads
+
+    (shared, shared_grads), rows = rows_per_step(policy, lambda: scored(True), width=3)
+    full, full_grads = scored(False)
+    assert rows == [8]  # the answer pass: 8 distinct answers of 12
+    assert torch.allclose(shared.logprobs, full.logprobs, atol=1e-5)
+    assert torch.allclose(shared.entropy, full.entropy, atol=1e-5)
+    assert torch.equal(shared.logprobs[0], shared.logprobs[2]) and not torch.equal(shared.logprobs[0], shared.logprobs[4])
+    for x, y in zip(shared_grads, full_grads, strict=True):
+        assert (x is None) == (y is None)
+        if x is not None:
+            assert torch.allclose(x, y, atol=1e-5, rtol=1e-4), (x - y).abs().max()

@@ -88,6 +88,17 @@ def head_chunk_tokens(family) -> int:
     return chunk_tokens_for(vocab)
 
 
+def distinct_answers(rows: Tensor, completion_ids: Tensor, completion_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(first, inverse): the first row of each distinct (prompt, answer tokens) and, for every row, its distinct
+    answer's position in `first` (rows[first][inverse] == rows, and the same for the masked tokens)."""
+    key = torch.cat([rows[:, None].to(completion_ids.dtype), completion_ids * completion_mask, completion_mask], 1)
+    _, inverse = torch.unique(key, dim=0, return_inverse=True)
+    count = int(inverse.max()) + 1
+    first = torch.full((count,), len(rows), dtype=torch.long, device=rows.device)
+    first = first.scatter_reduce(0, inverse, torch.arange(len(rows), device=rows.device), "amin")
+    return first, inverse
+
+
 def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, completion_mask: Tensor,
                         temperature: float = 1.0, with_entropy: bool = False, entropy_grad: bool = False,
                         with_hidden: bool = False, rows: Tensor | None = None,
@@ -96,7 +107,9 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
 
     `prompt` holds one row per completion, or, with `rows`, one row per distinct prompt and `rows[n]` the prompt of
     completion n: each prompt then goes through the decoder once, with gradients, and its KV cache is shared by its
-    completions (as in generation), instead of being recomputed for each of its G answers.
+    completions (as in generation), instead of being recomputed for each of its G answers. An answer that is the
+    same tokens as an earlier answer to its prompt is scored once: its outputs are copies, whose backward adds the
+    copies' gradients (`distinct_answers`).
 
     Completion tokens continue the prompt's positions (M-RoPE or 1-D), exactly as during generation, and the
     family's prompt extras (Qwen3-VL deepstack, Gemma 3 image-block attention) apply as in the prefill; logits are
@@ -105,6 +118,12 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
     unless `entropy_grad` (an entropy bonus needs its gradient).
     """
     n, t = completion_ids.shape
+    if rows is not None and n > 1:  # the same answer to the same prompt is one sequence: scored once, copied
+        first, inverse = distinct_answers(rows, completion_ids, completion_mask)
+        if len(first) < n:
+            out = completion_logprobs(family, prompt, completion_ids[first], completion_mask[first], temperature,
+                                      with_entropy, entropy_grad, with_hidden, rows[first], chunk_tokens)
+            return CompletionOutput(*(None if x is None else x[inverse] for x in out))
     if rows is None:
         embeds = torch.cat([prompt.embeds, family.embed_tokens(completion_ids)], dim=1)
         mask = torch.cat([prompt.attention_mask, completion_mask.to(prompt.attention_mask.dtype)], dim=1)
