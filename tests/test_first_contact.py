@@ -258,6 +258,29 @@ def test_a_gpu_device_on_a_machine_without_one_is_refused(tmp_path, monkeypatch,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, capsys):
+    """Under torchrun with 2 processes the quickstart's dynamic sampling and curriculum are refused up front, not after
+    SFT and the first evaluation (they used to be, ~50 s in)."""
+    import vlmrl.trainer.run as run
+    from vlmrl.trainer.distributed import DistInfo
+    from vlmrl.trainer.job import check_distributed
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(run, "init_distributed", lambda mode, device: DistInfo(mode, 0, 2, 0, "cpu"))
+    assert main(["train", "trainer.distributed=ddp"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: trainer.distributed=ddp with 2 processes supports the GRPO family") and \
+        "dynamic sampling (algorithm.dynamic_sampling), a curriculum (the curriculum section):" in err and \
+        err.endswith("run in one process (without torchrun)\n"), err
+    assert list(tmp_path.iterdir()) == []
+    plain = Config()
+    check_distributed(plain, DistInfo("ddp", 0, 2, 0, "cpu"))  # plain GRPO runs under DDP
+    plain.rollout.prompts_per_step = 3
+    with pytest.raises(ConfigError, match="rollout.prompts_per_step=3 must be a multiple of the number of processes"):
+        check_distributed(plain, DistInfo("ddp", 0, 2, 0, "cpu"))
+    check_distributed(plain, DistInfo("none", 0, 1, 0, "cpu"))  # one process: nothing to refuse
+
+
 def test_unexpected_exceptions_keep_their_traceback(monkeypatch):
     """Only vlmrl's own errors become one line; a bug anywhere else is not disguised as a user error."""
     import vlmrl.trainer.run as run

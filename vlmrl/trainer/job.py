@@ -33,6 +33,7 @@ from vlmrl.trainer.checkpoint import (
 from vlmrl.trainer.critic import Critic
 from vlmrl.trainer.curriculum import Curriculum, difficulties, wants_curriculum
 from vlmrl.trainer.distributed import (
+    DistInfo,
     barrier,
     full_state_dict,
     gathered,
@@ -141,6 +142,25 @@ class RLJob:
         return metrics, gallery
 
 
+def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
+    """What torchrun with several processes cannot run yet, refused before any data, model or SFT step is built."""
+    if not dist_info.active:
+        return
+    algo = cfg.algorithm
+    unsupported = [name for name, used in (
+        ("a critic (algorithm.advantage=gae)", algo.advantage == "gae"),
+        ("offline DPO (data.preferences)", cfg.data.preferences is not None),
+        ("dynamic sampling (algorithm.dynamic_sampling)", algo.dynamic_sampling),
+        ("a curriculum (the curriculum section)", wants_curriculum(cfg.curriculum)),
+        ("SFT replay (replay.weight)", cfg.replay.weight > 0),
+        ("agents (agent.enabled)", cfg.agent.enabled)) if used]
+    if unsupported:
+        raise ConfigError(f"trainer.distributed={dist_info.mode} with {dist_info.world} processes supports the GRPO "
+                         f"family, RLOO, REINFORCE++, ReMax and online DPO so far; this config uses "
+                         f"{', '.join(unsupported)}: turn it off, or run in one process (without torchrun)")
+    shard(cfg.rollout.prompts_per_step, dist_info)  # every rank takes the same number of prompts
+
+
 def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewards: list[RewardSpec],
                generator: torch.Generator, dist_info, start_eval: dict, resume: Path | None,
                resume_state: dict | None) -> RLJob:
@@ -165,11 +185,7 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
             dpo = OfflineDPO(policy, reference_policy, pairs, cfg)
         train_set = pairs
     curriculum, replay = wants_curriculum(cfg.curriculum), cfg.replay.weight > 0
-    if dist_info.active and (algo.advantage == "gae" or offline_dpo or algo.dynamic_sampling or curriculum or replay
-                             or cfg.agent.enabled):
-        raise ConfigError("trainer.distributed supports the GRPO family, RLOO, REINFORCE++, ReMax and online DPO so "
-                         "far; run critics, offline DPO, dynamic sampling, a curriculum, replay and agents (the "
-                         "agent section) in one process")
+    check_distributed(cfg, dist_info)  # (train() checks it before SFT; prepare_rl may be called on its own)
     if offline_dpo and (curriculum or replay):
         raise ConfigError("data.preferences (offline DPO) trains on fixed pairs: curriculum and replay apply to RL "
                           "prompts only; remove the curriculum/replay sections or data.preferences")

@@ -29,7 +29,7 @@ from vlmrl.rewards.registry import check_specs
 from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
 from vlmrl.trainer.distributed import NullLogger, barrier, broadcast_object, gathered, init_distributed
 from vlmrl.trainer.inputs import Datasets, load_datasets
-from vlmrl.trainer.job import RLJob, lr_lambda, prepare_rl, start_vllm
+from vlmrl.trainer.job import RLJob, check_distributed, lr_lambda, prepare_rl, start_vllm
 from vlmrl.trainer.limits import check_data_fits, user_texts, uses_tools
 from vlmrl.trainer.logger import MetricsLogger, rewind_logs
 from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_decisions
@@ -160,6 +160,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
     dist_info = init_distributed(cfg.trainer.distributed, cfg.model.device)
+    check_distributed(cfg, dist_info)
     if not dist_info.is_main:
         progress = Progress()  # one progress bar and one log: rank 0's
     rewards = [RewardSpec.from_config(r) for r in cfg.rewards]
