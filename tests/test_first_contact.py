@@ -122,6 +122,8 @@ def test_allowed_text_names_the_range():
     (["rollout.engine=vllm"], r"rollout.engine=vllm runs on GPUs"),
     (["rollout.vllm={max_model_len: 100}"], r"max_model_len=100 < data.max_prompt_length"),
     (["data.sft=null"], r"data.sft is null"),
+    (["data.preferences={task: shapes_count, n: 10}", "curriculum.filter_solved=true"], r"trains on fixed pairs"),
+    (["data.preferences={task: shapes_count, n: 10}", "replay.weight=0.5"], r"trains on fixed pairs"),
 ])
 def test_rules_between_keys(overrides, match):
     with pytest.raises(ConfigError, match=match):

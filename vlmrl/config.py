@@ -195,6 +195,11 @@ class CurriculumConfig:
     # scaled by it), so one the policy has since forgotten is found again (curriculum/rechecked); 0 = skip for good
     filter_recheck: UnitInterval = 0.25
 
+    @property
+    def active(self) -> bool:
+        """Whether the run needs `vlmrl.trainer.curriculum.Curriculum` rather than plain shuffled passes."""
+        return self.order != "random" or self.filter_solved or self.filter_unsolved
+
 
 @section
 class ReplayConfig:
@@ -392,6 +397,13 @@ def _replay(c: Config) -> str | None:
     return None
 
 
+def _offline_dpo(c: Config) -> str | None:
+    if c.data.preferences is not None and (c.curriculum.active or c.replay.weight > 0):
+        return ("data.preferences (offline DPO) trains on fixed pairs: curriculum and replay apply to RL prompts only; "
+                "remove the curriculum/replay sections or data.preferences")
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("rollout.group_size", "algorithm.advantage"), "`rollout.group_size` >= 2 for `grpo`, `rloo`, "
          "REINFORCE++ with a group baseline, online DPO and dynamic sampling", _group_of_one),
@@ -420,6 +432,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("algorithm.kl_target", "algorithm.beta"), "`algorithm.kl_target` needs `beta > 0` (its start value)",
          _kl_target),
     Rule(("replay.weight", "replay.data"), "`replay.weight > 0` needs `replay.data` or `data.sft`", _replay),
+    Rule(("data.preferences", "curriculum", "replay.weight"), "`data.preferences` (offline DPO) runs without a "
+         "curriculum and replay", _offline_dpo),
     Rule(("rollout.vllm.max_model_len",), "`rollout.vllm.max_model_len` >= `data.max_prompt_length + "
          "rollout.max_new_tokens`", _context),
 )

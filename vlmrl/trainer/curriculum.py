@@ -207,8 +207,3 @@ class Curriculum(PromptStream):
         self.rechecked = state.get("rechecked", 0)
         self.groups = {**self.groups, **state.get("groups", {})}
         self.step, self.drawn_this_step = state["step"], set(state["drawn_this_step"])
-
-
-def wants_curriculum(cfg: CurriculumConfig) -> bool:
-    """Whether the run needs `Curriculum` rather than plain shuffled passes."""
-    return cfg.order != "random" or cfg.filter_solved or cfg.filter_unsolved

@@ -31,7 +31,7 @@ from vlmrl.trainer.checkpoint import (
     save_rank_rng,
 )
 from vlmrl.trainer.critic import Critic
-from vlmrl.trainer.curriculum import Curriculum, difficulties, wants_curriculum
+from vlmrl.trainer.curriculum import Curriculum, difficulties
 from vlmrl.trainer.distributed import (
     DistInfo,
     barrier,
@@ -151,7 +151,7 @@ def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
         ("a critic (algorithm.advantage=gae)", algo.advantage == "gae"),
         ("offline DPO (data.preferences)", cfg.data.preferences is not None),
         ("dynamic sampling (algorithm.dynamic_sampling)", algo.dynamic_sampling),
-        ("a curriculum (the curriculum section)", wants_curriculum(cfg.curriculum)),
+        ("a curriculum (the curriculum section)", cfg.curriculum.active),
         ("SFT replay (replay.weight)", cfg.replay.weight > 0),
         ("agents (agent.enabled)", cfg.agent.enabled)) if used]
     if unsupported:
@@ -184,16 +184,11 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
         with reference.active() as reference_policy:
             dpo = OfflineDPO(policy, reference_policy, pairs, cfg)
         train_set = pairs
-    curriculum, replay = wants_curriculum(cfg.curriculum), cfg.replay.weight > 0
-    check_distributed(cfg, dist_info)  # (train() checks it before SFT; prepare_rl may be called on its own)
-    if offline_dpo and (curriculum or replay):
-        raise ConfigError("data.preferences (offline DPO) trains on fixed pairs: curriculum and replay apply to RL "
-                          "prompts only; remove the curriculum/replay sections or data.preferences")
     forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = adamw(params, t.lr, t.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.lr_schedule, t.warmup_steps, t.steps))
-    if curriculum:
+    if cfg.curriculum.active:
         order = cfg.curriculum.order
         stream = Curriculum(len(train_set), generator, cfg.curriculum, t.steps,
                             difficulties(train_set) if order == "easy_to_hard" else None)
@@ -218,10 +213,10 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, algo, t, d.prompt_template,
                       d.max_prompt_length, reference, critic, generator, prompt_offset=shard_start, dist=dist_info,
                       forward=forward, agent=AgentSpec.from_config(cfg.agent, policy.processor))
-    if curriculum:
+    if cfg.curriculum.active:
         position = {id(sample): i for i, sample in enumerate(train_set)}
         ctx.observe = lambda sample, correct: stream.observe(position[id(sample)], correct)
-    if replay:
+    if cfg.replay.weight > 0:
         ctx.replay = Replay(data.replay, cfg.replay.weight, cfg.replay.every, cfg.replay.batch_size,
                             cfg.sft.target_template, d.prompt_template, d.max_prompt_length, ctx.agent)
     if resume_state is not None:
