@@ -101,7 +101,7 @@ def test_dynamic_sampling_refills_with_groups_that_carry_signal(tiny_model_dir, 
     first = collect_and_score(ctx, count_samples[:3])
     # rewards: group 0 all equal (dropped), groups 1 and 2 differ (kept)
     first.rewards.total = torch.tensor([1.0] * 4 + [1.0, 0.0, 0.0, 0.0] + [0.0, 0.0, 1.0, 1.0])
-    out = dynamic_sampling(ctx, first, lambda k: [next(pool) for _ in range(k)])
+    out = dynamic_sampling(ctx, first, lambda k: [next(pool) for _ in range(k)], 3)
     assert out.stats["dynamic_sampling/rounds"] >= 1  # two groups were not enough: it sampled again
     assert out.stats["dynamic_sampling/prompts"] == 3 * (1 + out.stats["dynamic_sampling/rounds"])
     n_groups = len(out.samples)
@@ -145,11 +145,26 @@ def test_dynamic_sampling_fill_draws_the_missing_share_in_one_round(tiny_model_d
 
     first = collect_and_score(ctx, count_samples[:3])
     first.rewards.total = torch.tensor([1.0] * 4 + [1.0, 0.0, 0.0, 0.0] + [0.0] * 4)
-    out = dynamic_sampling(ctx, first, draw)
+    out = dynamic_sampling(ctx, first, draw, 3)
     assert asked[0] == 6
     assert out.stats["dynamic_sampling/prompts"] == 3 + sum(asked) <= 9
     assert out.samples[0]["id"] == count_samples[1]["id"] and len(out.samples) <= 3
     assert out.rollout.prompt_index.tolist() == [p for p in range(len(out.samples)) for _ in range(4)]
+
+
+def test_under_torchrun_every_round_is_a_multiple_of_the_ranks(tiny_model_dir):
+    """With 2 processes each rank generates for as many prompts: 7 and 17 prompts become 8 and 18 (the step's
+    budget, (1 + 6) x 16, is already a multiple)."""
+    from vlmrl.trainer.distributed import DistInfo
+
+    cfg = load_config(None, ["rollout.prompts_per_step=16"])
+    ctx = _context(load_policy(tiny_model_dir), cfg, dynamic_sampling=True, max_resample_rounds=6,
+                   resample_draw="fill")
+    ctx.dist = DistInfo("ddp", 0, 2, 0, "cpu")
+    assert resample_size(ctx, 15, 100) == 8  # ceil(100 / 15) = 7 in one process
+    assert resample_size(ctx, 12, 110) == 2 and resample_size(ctx, 0, 16) == 96
+    ctx.signal_share = 0.95  # ceil(16 / 0.95) = 17 in one process
+    assert first_round_size(ctx) == 18
 
 
 @pytest.mark.parametrize("share,size", [(None, 16), (0.25, 64), (0.9, 18), (1.0, 16), (0.1, 112), (0.0, 112)])

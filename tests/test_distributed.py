@@ -1,6 +1,7 @@
 """torchrun with 2 processes (gloo, CPU): DDP and FSDP2 steps equal a single-process run on the same global batch, and
 a run resumed under torchrun from its step-1 checkpoint (FSDP2: sharded optimizer state) ends where it would have."""
 
+import json
 import os
 import subprocess
 import sys
@@ -18,7 +19,8 @@ STEPS = ["trainer.steps=2", "sft.steps=2", "rollout.prompts_per_step=4", "rollou
 REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for c in completions]\n"
 
 
-def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None, extra: tuple = ()) -> dict:
+def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None, extra: tuple = (),
+        checkpoint: str = "checkpoint-2") -> dict:
     reward = tmp_path / "varied_reward.py"
     reward.write_text(REWARD)
     args = ["-m", "vlmrl", "train", GRPO, *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}", "trainer.save_every=1",
@@ -29,7 +31,7 @@ def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None, e
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    return weights(tmp_path / name / "checkpoint-2")
+    return weights(tmp_path / name / checkpoint)
 
 
 def weights(checkpoint) -> dict:
@@ -114,3 +116,36 @@ def test_fsdp2_with_uneven_ranks_matches_one_process(tmp_path, name, extra):
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
     for k in one:
         assert torch.allclose(one[k], two[k], atol=2e-5), (name, k, (one[k] - two[k]).abs().max().item())
+
+
+# a signal only in the groups of prompts whose answer is odd: dynamic sampling drops the rest and resamples
+ODD_REWARD = ("def score(completions, solution, **columns):\n"
+              "    return [float(len(c) % 3) if int(s) % 2 else 0.0 for c, s in zip(completions, solution)]\n")
+
+
+def test_dynamic_sampling_and_curriculum_under_torchrun_match_one_process(tmp_path):
+    """Dynamic sampling and the online filter under FSDP2: every rank draws the same prompts, generates for its shard
+    of each round, and the ranks agree on the rounds (kept groups summed over ranks) and on the pass rates (every
+    rank's groups observed). The kept groups are the first prompts_per_step in the rounds' order, wherever they were
+    generated; a rank holding none runs the update on padding. The run ends where one process does."""
+    reward = tmp_path / "odd_reward.py"
+    reward.write_text(ODD_REWARD)
+    extra = (f"rewards=[{{name: '{reward}:score'}}]", "algorithm.dynamic_sampling=true", "algorithm.max_resample_rounds=2",
+             "algorithm.resample_draw=fill", "curriculum.order=learnability", "curriculum.filter_unsolved=true",
+             "curriculum.filter_after=1", "trainer.steps=3", "trainer.minibatches=2", "trainer.seed=1",
+             "data.train.n=16", "rollout.prompts_per_step=2")
+    one = run(tmp_path, "ds-single", "none", 1, extra=extra, checkpoint="checkpoint-3")
+    two = run(tmp_path, "ds-fsdp2", "fsdp2", 2, extra=extra, checkpoint="checkpoint-3")
+    start = weights(tmp_path / "ds-single" / "checkpoint-0")
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=2e-5), (k, (one[k] - two[k]).abs().max().item())
+    logged = [json.loads(line) for line in (tmp_path / "ds-fsdp2" / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in logged if "dynamic_sampling/prompts" in m]
+    assert len(steps) == 3
+    assert any(m["dynamic_sampling/rounds"] > 0 for m in steps)  # resampling ran under torchrun
+    # the curriculum's counts are the same on every rank (a rank-local count would average to a fraction), and its
+    # filter acted: prompts never solved were filtered, and drawn again as rechecks or refills
+    assert all(m["curriculum/filtered_unsolved"] == int(m["curriculum/filtered_unsolved"]) > 0 for m in steps)
+    assert steps[-1]["curriculum/groups_filtered"] > 0
+    assert any(m["dynamic_sampling/padding_ranks"] > 0 for m in steps)  # a rank held only padding

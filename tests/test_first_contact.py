@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from vlmrl.cli import main
-from vlmrl.config import RULES, Config, ConfigError, load_config, validate
+from vlmrl.config import QUICKSTART, RULES, Config, ConfigError, load_config, validate
 from vlmrl.configlib import _strip, allowed
 from vlmrl.errors import PathError
 
@@ -261,20 +261,24 @@ def test_a_gpu_device_on_a_machine_without_one_is_refused(tmp_path, monkeypatch,
 
 
 def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, capsys):
-    """Under torchrun with 2 processes the quickstart's dynamic sampling and curriculum are refused up front, not after
-    SFT and the first evaluation (they used to be, ~50 s in)."""
+    """Under torchrun with 2 processes what it cannot run yet (here SFT replay and a critic) is refused up front, not
+    after SFT and the first evaluation; the quickstart's dynamic sampling and curriculum run there."""
     import vlmrl.trainer.run as run
     from vlmrl.trainer.distributed import DistInfo
     from vlmrl.trainer.job import check_distributed
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(run, "init_distributed", lambda mode, device: DistInfo(mode, 0, 2, 0, "cpu"))
-    assert main(["train", "trainer.distributed=ddp"]) == 2
+    assert main(["train", "trainer.distributed=ddp", "replay.weight=0.1", "algorithm.advantage=gae",
+                 "algorithm.dynamic_sampling=false", "curriculum.filter_solved=false"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: trainer.distributed=ddp with 2 processes supports the GRPO family") and \
-        "dynamic sampling (algorithm.dynamic_sampling), a curriculum (the curriculum section):" in err and \
+        "a critic (algorithm.advantage=gae), SFT replay (replay.weight):" in err and \
         err.endswith("run in one process (without torchrun)\n"), err
     assert list(tmp_path.iterdir()) == []
+    quickstart = load_config(QUICKSTART)  # dynamic sampling and the curriculum's filter
+    assert quickstart.algorithm.dynamic_sampling and quickstart.curriculum.active
+    check_distributed(quickstart, DistInfo("ddp", 0, 2, 0, "cpu"))
     plain = Config()
     check_distributed(plain, DistInfo("ddp", 0, 2, 0, "cpu"))  # plain GRPO runs under DDP
     plain.rollout.prompts_per_step = 3

@@ -102,6 +102,30 @@ def all_max(x: float | Tensor, info: DistInfo) -> Tensor:
     return _reduce(x, info, dist.ReduceOp.MAX)
 
 
+def whole_ranks(n: int, info: DistInfo) -> int:
+    """n rounded up to a multiple of the number of processes: every rank generates for as many prompts."""
+    return -(-n // info.world) * info.world
+
+
+def gather_lists(values: list, info: DistInfo) -> list:
+    """Every rank's list, joined in rank order (one process: `values`). Small Python objects only (pickled)."""
+    if not info.active:
+        return list(values)
+    out: list = [None] * info.world
+    dist.all_gather_object(out, list(values))
+    return [v for part in out for v in part]
+
+
+def gather_counts(value: int, info: DistInfo) -> list[int]:
+    """Every rank's `value`, in rank order, in one all-gather."""
+    if not info.active:
+        return [int(value)]
+    device = info.device if info.device.startswith("cuda") else "cpu"  # NCCL gathers CUDA tensors only
+    parts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(info.world)]
+    dist.all_gather(parts, torch.tensor([int(value)], dtype=torch.int64, device=device))
+    return [int(p.item()) for p in parts]
+
+
 def rank_max(values: list[int], info: DistInfo) -> list[int]:
     """Each value's maximum over the ranks, in one all-reduce: how the ranks agree on decisions such as stopping
     after this step (any rank's signal number) or writing a checkpoint now (rank 0's 0/1)."""
@@ -114,13 +138,17 @@ def rank_max(values: list[int], info: DistInfo) -> list[int]:
 
 
 def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float]:
-    """Mean of every numeric metric across ranks (the same keys on every rank)."""
+    """Mean of every numeric metric over the ranks that logged it (a rank that trained nothing this step, e.g. one
+    holding only padding under dynamic sampling, logs no loss; the others' mean is the step's)."""
     if not info.active:
         return metrics
-    keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
-    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    mine = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool))
+    keys = sorted(set(gather_lists(mine, info)))
+    logged = set(mine)
+    values = torch.tensor([[float(metrics[k]), 1.0] if k in logged else [0.0, 0.0] for k in keys],
+                          dtype=torch.float64).reshape(-1, 2)
     dist.all_reduce(values)
-    return {**metrics, **{k: v / info.world for k, v in zip(keys, values.tolist(), strict=True)}}
+    return {**metrics, **{k: total / count for k, (total, count) in zip(keys, values.tolist(), strict=True)}}
 
 
 class TrainingForward(nn.Module):

@@ -74,7 +74,6 @@ class RLJob:
     run_dir: Path
     start_eval: dict
     dpo: OfflineDPO | None = None
-    shard: tuple[int, int] = (0, 0)
     wall_before: float = 0.0  # seconds of this run spent in earlier processes (up to the resumed checkpoint)
     notes: list[str] = field(default_factory=list)  # warnings the RL loop gave (repeated in the summary)
     t_start: float = 0.0  # time.perf_counter() when this process started
@@ -114,7 +113,7 @@ class RLJob:
         return path
 
     def step(self, step: int) -> tuple[dict[str, float], dict | None]:
-        """One RL (or offline DPO) step on the next prompts; this rank's shard of them under torchrun."""
+        """One RL (or offline DPO) step on the next prompts; under torchrun this rank generates for its shard."""
         ctx, rollout = self.ctx, self.cfg.rollout
         ctx.step = step
         if self.dpo is not None:
@@ -122,13 +121,11 @@ class RLJob:
             metrics.setdefault("reward/total/mean", metrics["dpo/accuracy"])
             metrics.setdefault("accuracy", metrics["dpo/accuracy"])
             return metrics, None
-        start, stop = self.shard
         curriculum = self.stream if isinstance(self.stream, Curriculum) else None
         if curriculum is not None:
             curriculum.set_step(step)
-        n = first_round_size(ctx)  # more than prompts_per_step only under dynamic sampling (one process: no shards)
-        drawn = self.stream.next(n)
-        samples = [self.train_set[i] for i in (drawn[start:stop] if n == rollout.prompts_per_step else drawn)]
+        # every rank draws the same prompts (one stream, one generator); each generates for its shard of every round
+        samples = [self.train_set[i] for i in self.stream.next(first_round_size(ctx))]
         markers = marker_sets(self.cfg.eval.reflection_words, self.cfg.eval.backtracking_words)
         beta = ctx.kl.beta
         metrics, gallery = rl_step(ctx, samples, draw=lambda k: [self.train_set[i] for i in self.stream.next(k)],
@@ -150,13 +147,12 @@ def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
     unsupported = [name for name, used in (
         ("a critic (algorithm.advantage=gae)", algo.advantage == "gae"),
         ("offline DPO (data.preferences)", cfg.data.preferences is not None),
-        ("dynamic sampling (algorithm.dynamic_sampling)", algo.dynamic_sampling),
-        ("a curriculum (the curriculum section)", cfg.curriculum.active),
         ("SFT replay (replay.weight)", cfg.replay.weight > 0),
         ("agents (agent.enabled)", cfg.agent.enabled)) if used]
     if unsupported:
         raise ConfigError(f"trainer.distributed={dist_info.mode} with {dist_info.world} processes supports the GRPO "
-                         f"family, RLOO, REINFORCE++, ReMax and online DPO so far; this config uses "
+                         f"family, RLOO, REINFORCE++, ReMax and online DPO, with dynamic sampling and the curriculum, "
+                         f"so far; this config uses "
                          f"{', '.join(unsupported)}: turn it off, or run in one process (without torchrun)")
     shard(cfg.rollout.prompts_per_step, dist_info)  # every rank takes the same number of prompts
 
@@ -209,9 +205,8 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
         critic = Critic(policy, algo.critic, algo.critic_lr)
         if resume_state is not None:
             critic.load_state_dict(resume_state["critic"])
-    shard_start, shard_stop = shard(cfg.rollout.prompts_per_step, dist_info)
     ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, algo, t, d.prompt_template,
-                      d.max_prompt_length, reference, critic, generator, prompt_offset=shard_start, dist=dist_info,
+                      d.max_prompt_length, reference, critic, generator, dist=dist_info,
                       forward=forward, agent=AgentSpec.from_config(cfg.agent, policy.processor))
     if cfg.curriculum.active:
         position = {id(sample): i for i, sample in enumerate(train_set)}
@@ -227,7 +222,7 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     guard = getattr(ctx, "guard", None)
     if resume_state is not None and guard is not None and resume_state.get("guard"):
         vars(guard).update(resume_state["guard"])
-    return RLJob(cfg, ctx, stream, train_set, run_dir, start_eval, dpo, (shard_start, shard_stop))
+    return RLJob(cfg, ctx, stream, train_set, run_dir, start_eval, dpo)
 
 
 def start_vllm(cfg: Config, ctx: StepContext, run_dir: Path, dist_info):

@@ -27,7 +27,7 @@ from vlmrl.rewards import RewardOutput, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import Rollout, concat_rollouts, generate
 from vlmrl.trainer.curriculum import PASS_RATE_BINS, pass_rate_bin
-from vlmrl.trainer.distributed import all_sum, gathered
+from vlmrl.trainer.distributed import all_sum, gather_counts, gather_lists, gathered, shard, whole_ranks
 from vlmrl.trainer.types import StepContext, Trajectories
 from vlmrl.trainer.update import update
 
@@ -52,21 +52,25 @@ class Batch:
     greedy: Rollout | None = None  # ReMax: the greedy answer of each prompt (one row per prompt)
     baseline_scored: Tensor | None = None  # ReMax, per row: the greedy answer's reward did not fail
     correct: list[bool] = field(default_factory=list)  # per row: `correctness` of the answer (pass rates, accuracy)
+    padding: bool = False  # torchrun + dynamic sampling: a group this rank holds only to run the update's collectives
 
     def scored(self) -> Tensor:
         """bool [N]: rows whose reward (and, for ReMax, whose baseline) could be computed; a failed one (a judge
-        timeout, an exception in a reward) trains nothing."""
+        timeout, an exception in a reward) trains nothing. Padding trains nothing either."""
         scored = self.rewards.scored()
+        if self.padding:
+            return torch.zeros_like(scored)
         return scored if self.baseline_scored is None else scored & self.baseline_scored
 
 
 # -- Stage I: collect ------------------------------------------------------------------------------------------------
 def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None,
-            temperature: float | None = None, round_index: int = 0) -> tuple[PromptBatch, Rollout]:
-    """G answers for every prompt, in one batched generation call."""
+            temperature: float | None = None, round_index: int = 0, offset: int = 0) -> tuple[PromptBatch, Rollout]:
+    """G answers for every prompt, in one batched generation call. `offset`: the global position of samples[0] in
+    its round (a rank's shard starts there), which with the step and round names each prompt's random stream."""
     prompts = make_prompts(ctx.policy, samples, ctx.template, ctx.max_prompt_length)
     r = ctx.rollout
-    seeds = [prompt_seed(ctx.trainer.seed, ctx.step, round_index, ctx.prompt_offset + i) for i in range(len(samples))]
+    seeds = [prompt_seed(ctx.trainer.seed, ctx.step, round_index, offset + i) for i in range(len(samples))]
     temperature = r.temperature if temperature is None else temperature
     if ctx.agent is not None:  # multi-turn: the rollout's context holds each trajectory's whole conversation
         with ctx.policy.sampling(), gathered(ctx.forward):
@@ -94,16 +98,21 @@ def score(ctx: StepContext, samples: list[dict], rollout: Rollout) -> tuple[Rewa
 
 
 def collect_and_score(ctx: StepContext, samples: list[dict], round_index: int = 0) -> Batch:
-    prompts, rollout = collect(ctx, samples, round_index=round_index)
-    rewards, columns = score(ctx, samples, rollout)
-    batch = Batch(samples, prompts, rollout, rewards, columns, correct=correctness(rollout.texts, columns))
+    """Stages I + II for one generation round over `samples`, the round's prompts in order. Under torchrun this rank
+    generates and scores its contiguous shard of them (the returned batch), and the curriculum observes every
+    rank's groups, in the round's order, so its pass rates and filters are the same on every rank."""
+    start, stop = shard(len(samples), ctx.dist)
+    mine = samples[start:stop]
+    prompts, rollout = collect(ctx, mine, round_index=round_index, offset=start)
+    rewards, columns = score(ctx, mine, rollout)
+    batch = Batch(mine, prompts, rollout, rewards, columns, correct=correctness(rollout.texts, columns))
     if ctx.observe is not None:  # the curriculum's pass rates: every generated group, resampling rounds included
-        g = len(rollout.texts) // max(len(samples), 1)
+        correct, g = gather_lists(batch.correct, ctx.dist), ctx.rollout.group_size
         for i, s in enumerate(samples):
-            ctx.observe(s, batch.correct[i * g:(i + 1) * g])
+            ctx.observe(s, correct[i * g:(i + 1) * g])
     if ctx.algorithm.advantage == "remax":  # ReMax's baseline: the reward of the greedy answer to the same prompt
-        _, batch.greedy = collect(ctx, samples, group_size=1, temperature=0.0)
-        greedy_rewards = score(ctx, samples, batch.greedy)[0]
+        _, batch.greedy = collect(ctx, mine, group_size=1, temperature=0.0, offset=start)
+        greedy_rewards = score(ctx, mine, batch.greedy)[0]
         batch.baseline_rewards = greedy_rewards.total[rollout.prompt_index]
         batch.baseline_scored = greedy_rewards.scored()[rollout.prompt_index]
     return batch
@@ -146,38 +155,49 @@ def step_prompt_cap(ctx: StepContext) -> int:
 def first_round_size(ctx: StepContext) -> int:
     """How many prompts a step's first generation call draws: prompts_per_step, or under dynamic sampling's fill
     draw as many as the previous step's share of groups with a signal says will fill the batch (at most the step's
-    (1 + max_resample_rounds) x prompts_per_step), so most steps need one call."""
+    (1 + max_resample_rounds) x prompts_per_step), so most steps need one call. Under torchrun, a multiple of the
+    number of processes."""
     want, a, share = ctx.rollout.prompts_per_step, ctx.algorithm, ctx.signal_share
     if not (a.dynamic_sampling and a.resample_draw == "fill") or share is None:
         return want
     cap = step_prompt_cap(ctx)
-    return cap if share <= 0 else min(cap, max(want, math.ceil(want / share)))
+    return cap if share <= 0 else min(cap, whole_ranks(max(want, math.ceil(want / share)), ctx.dist))
 
 
 def resample_size(ctx: StepContext, found: int, generated: int) -> int:
     """How many prompts the next dynamic-sampling round draws, after `generated` prompts gave `found` groups with a
     signal in this step: prompts_per_step, or (resample_draw "fill") the missing groups divided by the share found so
-    far, within what is left of the step's (1 + max_resample_rounds) x prompts_per_step prompts (0: stop)."""
+    far, within what is left of the step's (1 + max_resample_rounds) x prompts_per_step prompts (0: stop). Under
+    torchrun, a multiple of the number of processes (prompts_per_step is one, so the cap is too)."""
     want, a = ctx.rollout.prompts_per_step, ctx.algorithm
     if a.resample_draw == "batch":
         return want
     missing, left = want - found, step_prompt_cap(ctx) - generated
-    return max(0, min(left, max(missing, math.ceil(missing * generated / max(found, 1)))))
+    return max(0, min(left, whole_ranks(max(missing, math.ceil(missing * generated / max(found, 1))), ctx.dist)))
 
 
-def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[dict]]) -> Batch:
+def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[dict]], first_size: int) -> Batch:
     """DAPO's dynamic sampling: keep groups whose rewards differ; sample more prompts (up to max_resample_rounds
     extra generation calls, each of `resample_size` prompts) until prompts_per_step such groups are found; use what
-    was found if the cap is hit. Only scored answers count: a failed reward is no difference between answers."""
+    was found if the cap is hit. Only scored answers count: a failed reward is no difference between answers.
+
+    `first_size`: the first round's prompts on all ranks. Under torchrun every rank runs the same rounds (the
+    counts that decide them are summed over the ranks), and the kept groups are the first prompts_per_step in the
+    rounds' order, wherever they were generated: each rank trains the ones it holds (the update normalises by the
+    whole step's tokens). A rank that holds none keeps one group as padding, which trains nothing (`Batch.padding`)
+    but runs the update's collectives."""
     g, want = ctx.rollout.group_size, ctx.rollout.prompts_per_step
-    kept, found, rounds, generated = [], 0, 0, 0
+    kept, found, rounds, generated, size = [], 0, 0, 0, first_size
     batch = first
     while True:
-        generated += len(batch.samples)
+        generated += size
         keep = nonzero_variance_groups(batch.rewards.total, g, scored=batch.scored())
+        counts = gather_counts(int(keep.sum()), ctx.dist)  # each rank's groups with a signal, in the round's order
+        before = found + sum(counts[:ctx.dist.rank])  # the round's groups on lower ranks come first
+        keep &= torch.cumsum(keep.long(), 0) <= max(0, want - before)  # only the first `want` of the step
         if keep.any():
             kept.append(keep_groups(batch, keep, g))
-            found += int(keep.sum())
+        found += sum(counts)
         size = resample_size(ctx, found, generated)
         if found >= want or rounds >= ctx.algorithm.max_resample_rounds or size == 0:
             break
@@ -186,13 +206,16 @@ def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[
     ctx.signal_share = found / generated  # (the next step's first round, under resample_draw "fill")
     stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": min(found, want),
              "dynamic_sampling/dropped_groups": generated - found, "dynamic_sampling/prompts": generated}
-    if not kept:
+    if not found:
         first.stats = {**stats, "dynamic_sampling/kept_groups": 0}
         return first  # nothing to learn from; the update sees all-zero advantages
-    out = concat_batches(kept, ctx.policy.pad_token_id) if len(kept) > 1 else kept[0]
-    if found > want:
-        out = keep_groups(out, torch.arange(found) < want, g)
-    out.stats = stats
+    if not kept:  # other ranks hold this step's groups
+        out = keep_groups(first, torch.arange(len(first.samples)) < 1, g)
+        out.padding = True
+    else:
+        out = concat_batches(kept, ctx.policy.pad_token_id) if len(kept) > 1 else kept[0]
+    # the share of ranks that held only padding this step (compute spent on collectives alone; 0 in one process)
+    out.stats = {**stats, "dynamic_sampling/padding_ranks": float(out.padding)}
     return out
 
 
@@ -245,7 +268,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     loss_mask = mask * (~rollout.truncated).to(mask.device).long()[:, None] if algo.overlong_filter else mask
     loss_mask = loss_mask * scored.long()[:, None]  # a failed reward: no loss (its advantage is 0 too)
     return Trajectories(args[1], rollout.completion_ids, loss_mask, old, ref, adv.advantages, rewards,
-                        values, adv.returns, rollout.logprobs, scored)
+                        values, adv.returns, rollout.logprobs, scored, batch.padding)
 
 
 def rank_sum(ctx: StepContext) -> Callable[[Tensor], Tensor] | None:
@@ -277,7 +300,7 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
         vision_calls = ctx.policy.family.vision_calls - vision_before
         first = batch
         if ctx.algorithm.dynamic_sampling and draw is not None:
-            batch = dynamic_sampling(ctx, batch, draw)
+            batch = dynamic_sampling(ctx, batch, draw, len(samples))
     t1 = time.perf_counter()
     if not ctx.policy.model.training:  # (a loaded model starts in eval mode) the update trains with dropout as set
         ctx.policy.model.train()
@@ -298,11 +321,12 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
         metrics.update(agent_metrics(rollout.columns))
     metrics.update(first.rewards.metrics())
     metrics.update(batch.stats)
-    metrics.update(pass_rate_histogram(batch.correct, g))
+    if not batch.padding:  # (a rank that trained nothing logs nothing about the trained batch)
+        metrics.update(pass_rate_histogram(batch.correct, g))
+        metrics["advantage_abs_mean"] = traj.advantages.abs().mean().item()
     metrics.update({
         "accuracy": sum(correct) / len(correct),
         "zero_variance_groups": zero_variance_fraction(first.rewards.total, g, scored=first.scored()),
-        "advantage_abs_mean": traj.advantages.abs().mean().item(),
         "response_length": rollout.lengths.float().mean().item(),
         "truncated_share": rollout.truncated.float().mean().item(),
         "vision_forward_calls_rollout": vision_calls,

@@ -37,7 +37,6 @@ class StepContext:
     critic: object | None = None  # vlmrl.trainer.critic.Critic, for advantage "gae"
     generator: torch.Generator | None = None
     step: int = 0
-    prompt_offset: int = 0  # global position of this process's first prompt (data-parallel ranks shard the step)
     dist: DistInfo = field(default_factory=DistInfo)
     forward: torch.nn.Module | None = None  # the training forward, wrapped by DDP/FSDP2 when distributed
     engine: object | None = None  # rollout.engine=vllm: vlmrl.rollout.vllm_engine.VLLMEngine (None: built-in sampler)
@@ -78,3 +77,6 @@ class Trajectories(NamedTuple):
     # [N] bool: rows whose reward was computed (a failed reward, e.g. a judge timeout, is False: advantage 0, no loss,
     # no DPO pair); None: every row
     scored: Tensor | None = None
+    # torchrun + dynamic sampling: the rows are one group held only so that this rank runs the update's collectives
+    # (its forwards train nothing and count in no normalisation)
+    padding: bool = False

@@ -24,7 +24,7 @@ from vlmrl.algorithms.kl import kl_estimate
 from vlmrl.algorithms.losses import POLICY_LOSSES, aggregate, dpo_loss, masked_mean, value_loss
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.scoring import logprob_gap, micro_batches, row_lengths
-from vlmrl.trainer.distributed import all_max, all_sum, no_sync
+from vlmrl.trainer.distributed import all_max, all_sum, gather_counts, no_sync
 from vlmrl.trainer.guard import guarded_step
 from vlmrl.trainer.types import StepContext, Trajectories
 
@@ -43,14 +43,13 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
     if ctx.algorithm.policy_loss == "dpo":
         return update_online_dpo(ctx, prompts, traj)
     algo, cfg, critic = ctx.algorithm, ctx.trainer, ctx.critic
-    n = traj.advantages.shape[0]
+    n = 0 if traj.padding else traj.advantages.shape[0]
     warmup = critic is not None and ctx.step <= algo.critic_warmup_steps  # train only the critic
     policy_params = [p for p in ctx.policy.model.parameters() if p.requires_grad]
-    sums: dict[str, float] = {}
+    sums: dict[str, float] = {"loss": 0.0}  # (a rank holding only padding: its share of the loss is 0)
     updates, policy_steps, finite_norms, gap_sum, gap_max, gap_count = 0, 0, 0, 0.0, 0.0, 0
     for epoch in range(cfg.ppo_epochs):
-        order = torch.randperm(n, generator=ctx.generator) if cfg.minibatches > 1 else torch.arange(n)
-        for minibatch in order.tensor_split(cfg.minibatches):  # exactly `minibatches` (chunk() may give fewer)
+        for minibatch in minibatch_rows(n, ctx):
             # normalise by the whole minibatch across ranks; DDP/FSDP2 average gradients over ranks, hence / world
             world = ctx.dist.world
             mb_tokens = (all_sum(traj.loss_mask[minibatch].sum(), ctx.dist) / world).clamp(min=1).float()
@@ -95,10 +94,25 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
     metrics = {k: v / updates for k, v in sums.items() if k != "grad_norm"}
     if finite_norms:
         metrics["grad_norm"] = sums["grad_norm"] / finite_norms
-    if traj.old_logprobs is None and traj.sample_logprobs is not None:  # the sampler vs the update's own forward
+    if traj.old_logprobs is None and traj.sample_logprobs is not None and gap_count:  # sampler vs the update's forward
         metrics["rollout/logprob_gap_mean"] = gap_sum / max(gap_count, 1)
         metrics["rollout/logprob_gap_max"] = gap_max
     return _finish(ctx, metrics, policy_steps)
+
+
+def minibatch_rows(n: int, ctx: StepContext) -> list[Tensor]:
+    """This rank's rows (of its n) in each of exactly `trainer.minibatches` minibatches of one pass: a permutation
+    of the step's rows on all ranks, split into minibatches (sizes differ by at most one row), each rank taking its
+    own. The permutation is drawn from the run's generator over the step's total row count, so every rank draws the
+    same (the generator also draws the prompts: it must stay the same on every rank, whatever rows each holds) and a
+    minibatch holds the rows it would hold in one process. A rank's rows come after those of lower ranks."""
+    m = ctx.trainer.minibatches
+    if m == 1:
+        return [torch.arange(n)]
+    counts = gather_counts(n, ctx.dist)
+    offset = sum(counts[:ctx.dist.rank])
+    order = torch.randperm(sum(counts), generator=ctx.generator)
+    return [rows[(rows >= offset) & (rows < offset + n)] - offset for rows in order.tensor_split(m)]
 
 
 def idle_forward(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> None:
