@@ -27,10 +27,12 @@ STAGES = [
     ("vlmrl.models.families.qwen_vl:QwenVLFamily", "image_features", "    vision tower"),
     ("vlmrl.trainer.rl", "compute_rewards", "II score: rewards"),
     ("vlmrl.trainer.rl", "correctness", "II score: correctness"),
+    ("vlmrl.trainer.rl", "reward_columns", "II score: dataset columns per answer"),
     ("vlmrl.trainer.rl", "dynamic_sampling", "I+II resampling rounds"),
     ("vlmrl.trainer.rl", "build_trajectories", "III trajectories"),
     ("vlmrl.trainer.rl", "update", "IV update"),
     ("torch:Tensor", "backward", "    backward"),
+    ("vlmrl.trainer.rl", "rollout_metrics", "step metrics: reasoning, markers, compute"),
 ]
 
 

@@ -170,6 +170,18 @@ def test_recipe_errors_name_the_file_and_line(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_a_key_written_twice_in_a_recipe_is_refused_with_both_lines(tmp_path):
+    """Plain YAML keeps the second of two equal keys silently; a recipe edited in two places would run with either."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("trainer:\n  steps: 5\n  lr: 1.0e-4\n  steps: 7\n")
+    with pytest.raises(ConfigError, match=r"r.yaml line 4: .*key 'steps' is written twice in one mapping "
+                                          r"\(first on line 2\)"):
+        load_config(recipe)
+    recipe.write_text("trainer:\n  steps: 5\nsft:\n  steps: 7\n")  # the same name in two sections is fine
+    cfg = load_config(recipe)
+    assert (cfg.trainer.steps, cfg.sft.steps) == (5, 7)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # the six first-contact commands: one line, exit code 2, no training work
 

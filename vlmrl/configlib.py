@@ -288,6 +288,30 @@ def _merge(base: dict, new: dict, source, cls, prefix: str = "") -> None:
             base[key] = value
 
 
+class _RecipeLoader(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key written twice in one mapping: plain YAML keeps the last one silently,
+    so a recipe edited in two places would run with whichever came second."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                seen = first.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: the base class raises its own error for it
+                continue
+            if seen != key_node.start_mark.line + 1:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} is written twice in one mapping (first on line {seen}); remove one",
+                    key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_recipe_yaml(text: str):
+    """A recipe's YAML, parsed safely, with duplicate keys refused (`_RecipeLoader`)."""
+    return yaml.load(text, Loader=_RecipeLoader)  # noqa: S506 (a SafeLoader subclass)
+
+
 def load(cls, path: str | Path | None, overrides: Sequence[str], rules: Sequence[Rule] = ()):
     """Defaults of section `cls`, then the recipe YAML (if any), then `key=value` overrides; every field checked
     against its declaration, then every rule. Nothing is built before this returns."""
@@ -297,7 +321,7 @@ def load(cls, path: str | Path | None, overrides: Sequence[str], rules: Sequence
         if not path.is_file():
             raise ConfigError(f"recipe {path}: no such file" + (" (it is a folder)" if path.is_dir() else ""))
         try:
-            recipe = yaml.safe_load(path.read_text()) or {}
+            recipe = load_recipe_yaml(path.read_text()) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             line = f" line {mark.line + 1}" if mark is not None else ""
