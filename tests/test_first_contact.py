@@ -177,6 +177,9 @@ def test_a_key_written_twice_in_a_recipe_is_refused_with_both_lines(tmp_path):
     with pytest.raises(ConfigError, match=r"r.yaml line 4: .*key 'steps' is written twice in one mapping "
                                           r"\(first on line 2\)"):
         load_config(recipe)
+    recipe.write_text("trainer: {steps: 5, steps: 7}\n")  # both on one line, in a flow mapping
+    with pytest.raises(ConfigError, match=r"r.yaml line 1: .*key 'steps' is written twice .*\(first on line 1\)"):
+        load_config(recipe)
     recipe.write_text("trainer:\n  steps: 5\nsft:\n  steps: 7\n")  # the same name in two sections is fine
     cfg = load_config(recipe)
     assert (cfg.trainer.steps, cfg.sft.steps) == (5, 7)

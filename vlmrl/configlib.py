@@ -297,13 +297,14 @@ class _RecipeLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=True)
             try:
-                seen = first.setdefault(key, key_node.start_mark.line + 1)
+                seen = first.get(key)
             except TypeError:  # an unhashable key: the base class raises its own error for it
                 continue
-            if seen != key_node.start_mark.line + 1:
+            if seen is not None:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"key {key!r} is written twice in one mapping (first on line {seen}); remove one",
                     key_node.start_mark)
+            first[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
 
