@@ -89,7 +89,7 @@ def vision_attention(reps: int) -> tuple[float, float]:
 
 def sft_steps(reps: int, steps: int) -> tuple[float, float]:
     from vlmrl.config import Config
-    from vlmrl.models.families.base import ImageCache
+    from vlmrl.models.families.processor import ImageCache
     from vlmrl.trainer.inputs import load_datasets
     from vlmrl.trainer.run import build_policy
     from vlmrl.trainer.sft import sft_step

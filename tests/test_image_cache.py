@@ -4,7 +4,7 @@ product and the vision attention batched over images of one size."""
 import torch
 from PIL import Image
 
-from vlmrl.models.families.base import ImageCache
+from vlmrl.models.families.processor import ImageCache
 from vlmrl.models.families.qwen_vl import batched_vision_attention, patch_embed_as_linear
 
 

@@ -21,7 +21,7 @@ import torch
 
 from vlmrl.errors import DataError
 from vlmrl.models.batch import ConversationBatch, PromptBatch
-from vlmrl.models.families.base import ImageInputs, VLProcessor
+from vlmrl.models.families.processor import ImageInputs, VLProcessor
 
 _PROBE = [{"role": "user", "content": [{"type": "text", "text": "q"}]},
           {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]

@@ -6,7 +6,7 @@ forward and every evaluation runs the vision tower on each of its images again. 
 features the first time they are computed and hands them back after that, exactly as the tower would compute them
 again (the tower processes images independently: a feature row depends on its own image only).
 
-An image's key is its processor-cache serial (`PromptBatch.image_keys`, vlmrl.models.families.base.ImageCache):
+An image's key is its processor-cache serial (`PromptBatch.image_keys`, vlmrl.models.families.processor.ImageCache):
 a batch built without keys (multi-turn conversations) or with the processor cache off runs the tower as before.
 The cache checks the tower's weights on every call (the storage and in-place version counter of each vision and
 projector parameter) and starts over when any changed: a loaded checkpoint or an optimizer step on a weight that was

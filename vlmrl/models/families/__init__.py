@@ -4,10 +4,11 @@ Adding a family is one small module here (subclass `VLProcessor` and `VLFamily`,
 in `FAMILIES`; docs/models.md walks through it.
 """
 
-from vlmrl.models.families.base import ImageInputs, VLFamily, VLProcessor
+from vlmrl.models.families.base import VLFamily
 from vlmrl.models.families.gemma3 import Gemma3Family, Gemma3Processor
 from vlmrl.models.families.idefics3 import Idefics3Family, Idefics3Processor, SmolVLMProcessor
 from vlmrl.models.families.llava import LlavaFamily, LlavaNextFamily, LlavaNextProcessor, LlavaProcessor
+from vlmrl.models.families.processor import ImageInputs, VLProcessor
 from vlmrl.models.families.qwen_vl import Qwen3VLFamily, Qwen3VLProcessor, QwenVLFamily, QwenVLProcessor
 
 FAMILIES: dict[str, tuple[type[VLProcessor], type[VLFamily]]] = {

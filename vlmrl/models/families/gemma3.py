@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from vlmrl.models.batch import PromptBatch
-from vlmrl.models.families.base import ImageInputs, VLFamily, VLProcessor
+from vlmrl.models.families.base import VLFamily
+from vlmrl.models.families.processor import ImageInputs, VLProcessor
 
 BOI, EOI, SOFT = "<start_of_image>", "<end_of_image>", "<image_soft_token>"
 CHAT_TEMPLATE = (

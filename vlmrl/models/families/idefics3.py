@@ -16,7 +16,8 @@ from torch import Tensor
 
 from vlmrl.errors import ConfigError
 from vlmrl.models.batch import PromptBatch
-from vlmrl.models.families.base import ImageInputs, VLFamily, VLProcessor
+from vlmrl.models.families.base import VLFamily
+from vlmrl.models.families.processor import ImageInputs, VLProcessor
 
 FAKE = "<fake_token_around_image>"
 GLOBAL = "<global-img>"

@@ -13,7 +13,8 @@ import torch
 from torch import Tensor
 
 from vlmrl.models.batch import PromptBatch
-from vlmrl.models.families.base import ImageInputs, VLFamily, VLProcessor
+from vlmrl.models.families.base import VLFamily
+from vlmrl.models.families.processor import ImageInputs, VLProcessor
 
 IMAGE = "<image>"
 # llava-hf/llava-1.5 style; real checkpoints ship their own template

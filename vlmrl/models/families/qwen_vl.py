@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from vlmrl.models.batch import PromptBatch
-from vlmrl.models.families.base import ImageInputs, VLFamily, VLProcessor
+from vlmrl.models.families.base import VLFamily
+from vlmrl.models.families.processor import ImageInputs, VLProcessor
 
 IMAGE_PAD = "<|image_pad|>"
 VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"

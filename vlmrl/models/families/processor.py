@@ -1,0 +1,332 @@
+"""The text side of a model family: `VLProcessor` turns samples (problem text and images) into a left-padded
+`PromptBatch`, and `ImageCache` keeps each image's processed tensors.
+
+A family subclasses `VLProcessor` and overrides what differs: the chat template used when the tokenizer has none, the
+image marker the template writes and the placeholder span that replaces it (`placeholders`), the image tensors
+(`process_images`), the pixel budget. Everything else — chat rendering, placeholder expansion, tokenisation with left
+padding, the no-truncation rule and the image-token count check — is shared here, so generation and the training
+forward see one preprocessing path. The model side is `VLFamily` (vlmrl.models.families.base).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from vlmrl.errors import ConfigError, DataError, PathError
+from vlmrl.models.batch import PromptBatch, PromptTooLongError
+
+PROCESSOR_FILE = "vlmrl_processor.json"
+
+
+@dataclass
+class ImageInputs:
+    """What a family's image processor makes of a flat list of images."""
+
+    vision: dict[str, Tensor]  # tensors stacked over images (see PromptBatch.vision)
+    vision_rows: dict[str, list[int]]  # rows of each image in each tensor
+    placeholders: list[str]  # the text that replaces each image's marker
+    tokens: list[int]  # placeholder tokens (= feature vectors) of each image
+    keys: list[int | None] = field(default_factory=list)  # see `ImageCache.serials`; None: not cached
+
+
+class ImageCache:
+    """Processed image tensors by image object, least recently used evicted past `max_bytes` (0 = off; 256 MiB by
+    default, `model.image_cache_mb` in a recipe: the quickstart's 300 SFT and 600 held-out scenes take 270 MB, its
+    4,000 RL prompts 1.2 GB more).
+
+    The SFT labels and the held-out set show the same images every few steps and every evaluation; preprocessing
+    (resize, normalise, patchify) took ~3 ms per image on CPU, about a tenth of an SFT step of the embedded model.
+    Entries are keyed by the image object and dropped when it is garbage-collected (a weak reference), so images
+    decoded on use from files are never served stale. Values are each image's slice of every vision tensor, its
+    placeholder text and its token count: exactly what `process_images` gives for that image alone, since every
+    family processes images independently and concatenates them along dim 0 (`ImageInputs.vision_rows`).
+
+    Each stored entry also gets a serial number, never reused (`serials`): an image's key for as long as its entry
+    lives, which lets the model side keep what it computes from the image (a frozen vision tower's features,
+    vlmrl.models.vision_cache) without holding or comparing the image itself."""
+
+    serials = itertools.count(1)  # shared by all caches, so two processors never hand out the same key
+
+    def __init__(self, max_bytes: int = 256 * 2**20):
+        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
+        self.entries: OrderedDict[int, tuple] = OrderedDict()
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.bytes = 0
+
+    def get(self, image):
+        entry = self.entries.get(id(image))
+        if entry is None or entry[0]() is not image:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(id(image))
+        self.hits += 1
+        return entry[1]
+
+    def put(self, image, value: tuple[dict[str, Tensor], str, int, int | None]) -> bool:
+        """Keep `value` (tensors, placeholder, tokens, serial) for `image`; False when it is not kept."""
+        size = sum(t.numel() * t.element_size() for t in value[0].values() if isinstance(t, Tensor))
+        if not self.max_bytes or size > self.max_bytes:
+            return False
+        key = id(image)
+        try:
+            ref = weakref.ref(image, lambda _, key=key: self._drop(key))
+        except TypeError:  # an image type without weak references: not cached
+            return False
+        self._drop(key)
+        self.entries[key] = (ref, value, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            self._drop(next(iter(self.entries)))
+        return key in self.entries
+
+    def _drop(self, key: int) -> None:
+        entry = self.entries.pop(key, None)
+        if entry is not None:
+            self.bytes -= entry[2]
+
+
+def read_chat_template(path: str | Path) -> str | None:
+    """The processor chat template shipped with a checkpoint (chat_template.jinja or chat_template.json, in a folder or
+    a hub repository), if any: VLM repositories keep their image-aware template there, not in the tokenizer."""
+    from transformers.utils import cached_file
+
+    for name in ("chat_template.jinja", "chat_template.json"):
+        file = cached_file(str(path), name, _raise_exceptions_for_missing_entries=False,
+                           _raise_exceptions_for_connection_errors=False)
+        if file:
+            text = Path(file).read_text()
+            return json.loads(text).get("chat_template") if name.endswith(".json") else text
+    return None
+
+
+def added_bos_id(tokenizer) -> int | None:
+    """The BOS id `tokenizer` puts in front of the text it encodes with special tokens (`add_bos_token`, or a
+    post-processor template such as Llama's "<s> $A"), or None when it adds none (Qwen; tokenizers without a BOS)."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    with_special = tokenizer("x")["input_ids"]
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    return bos if with_special[:1] == [bos] and plain[:1] != [bos] else None
+
+
+class VLProcessor:
+    """Tokenizer + image processor of one family: samples in, a left-padded `PromptBatch` out."""
+
+    family = ""  # registry name, written to vlmrl_processor.json
+    image_marker = ""  # what the chat template writes for one image
+    image_token = ""  # the placeholder token whose embeddings image features replace
+    end_tokens: tuple[str, ...] = ()  # end-of-turn tokens; generation stops at them (the first one ends SFT targets)
+    builtin_template = ""  # used when neither the tokenizer nor the checkpoint folder has a chat template
+    image_processor_class = ""  # a transformers image processor that needs no torchvision
+
+    def __init__(self, tokenizer, image_processor, system_prompt: str | None = None, config=None,
+                 chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.system_prompt = system_prompt
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.chat_template = chat_template or getattr(tokenizer, "chat_template", None) or self.builtin_template
+        if self.image_token not in tokenizer.get_vocab():
+            raise PathError(f"the tokenizer has no {self.image_token!r} token, which the {self.family} family puts "
+                             f"where image features go: is this the tokenizer of a {self.family} model?")
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.prompt_bos_id = added_bos_id(tokenizer)  # None: prompts get no BOS from vlmrl
+        if config is None and type(self).options_from_config is not VLProcessor.options_from_config:
+            raise ValueError(f"{type(self).__name__} needs the model config (config=...) for its placeholder counts")
+        self.options = self.options_from_config(config) if config is not None else {}
+        self.image_cache = ImageCache()
+        self.prompt_texts: dict[tuple, str] = {}  # see `prompt_text`
+        self.token_rows: dict[str, list[int]] = {}  # see `tokenize`
+
+    # -- construction and saving ---------------------------------------------------------------------------------
+    def options_from_config(self, config) -> dict:
+        """Model-config values the placeholder expansion needs (e.g. tokens per image); saved with the processor."""
+        return {}
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, config=None, **kwargs) -> VLProcessor:
+        import transformers
+        from transformers import AutoConfig, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        image_processor = getattr(transformers, cls.image_processor_class).from_pretrained(path, **kwargs)
+        if config is None:
+            config = AutoConfig.from_pretrained(path, **kwargs)
+        return cls(tokenizer, image_processor, config=config, chat_template=read_chat_template(path))
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self.tokenizer.save_pretrained(path)
+        self.image_processor.save_pretrained(path)
+        (Path(path) / "chat_template.jinja").write_text(self.chat_template)  # ours, over any text-only template
+        (Path(path) / PROCESSOR_FILE).write_text(json.dumps({"family": self.family, "options": self.options}))
+
+    def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
+        """Apply model.min_pixels / model.max_pixels; the same processor feeds generation and training."""
+        if min_pixels or max_pixels:
+            raise ConfigError(f"model.min_pixels/model.max_pixels: the {self.family} family resizes images to a fixed "
+                             f"size and has no pixel budget; remove these keys")
+
+    def max_image_pixels(self) -> int | None:
+        """The pixel budget an image is processed at (None: the family resizes every image to a fixed size)."""
+        return None
+
+    # -- the text side ---------------------------------------------------------------------------------------------
+    def prompt_text(self, problem: str, n_images: int) -> str:
+        """The chat-formatted prompt: one user turn with the images first, then the problem; generation prompt on.
+        Remembered per (problem, images, system prompt, template): a task asks few distinct questions, and the
+        template's render cost ~0.2 ms per prompt, every time a prompt was drawn."""
+        key = (problem, n_images, self.system_prompt, self.chat_template)
+        text = self.prompt_texts.get(key)
+        if text is None:
+            content = [{"type": "image"}] * n_images + [{"type": "text", "text": problem}]
+            text = self.chat_text([{"role": "user", "content": content}])
+            if len(self.prompt_texts) >= 1024:  # bounded: a dataset of many questions starts over
+                self.prompt_texts.clear()
+            self.prompt_texts[key] = text
+        return text
+
+    def chat_text(self, messages: list[dict]) -> str:
+        """A conversation (`{"role", "content": [{"type": "image"} | {"type": "text", "text"}]}` turns) rendered
+        with the chat template, generation prompt on; `system_prompt` goes first when it has no system turn.
+        `prompt_text` is its one-user-turn case; the server (vlmrl.serve.chat) renders whole conversations."""
+        if self.system_prompt and not (messages and messages[0]["role"] == "system"):
+            messages = [{"role": "system", "content": [{"type": "text", "text": self.system_prompt}]}, *messages]
+        return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def process_images(self, images: list) -> ImageInputs:
+        raise NotImplementedError
+
+    def processed_images(self, images: list) -> ImageInputs:
+        """`process_images`, with each image's tensors from `image_cache` when the same image object was processed
+        before (the images not cached are processed in one call). A changed pixel budget empties the cache. `keys`
+        holds each image's cache serial (None for an image the cache did not keep)."""
+        budget = repr([getattr(self.image_processor, k, None) for k in ("size", "max_image_size")])
+        if budget != getattr(self, "_cached_budget", None):
+            self.image_cache.clear()
+            self._cached_budget = budget
+        cached = [self.image_cache.get(im) for im in images]
+        missing = [im for im, c in zip(images, cached, strict=True) if c is None]
+        if missing:
+            fresh = self.process_images(missing)
+            splits = {k: v.split(fresh.vision_rows[k]) for k, v in fresh.vision.items()}
+            it = iter(range(len(missing)))
+            for i, c in enumerate(cached):
+                if c is None:
+                    j = next(it)
+                    entry = ({k: parts[j] for k, parts in splits.items()}, fresh.placeholders[j], fresh.tokens[j],
+                             next(ImageCache.serials))
+                    cached[i] = entry if self.image_cache.put(images[i], entry) else (*entry[:3], None)
+            if len(missing) == len(images):
+                fresh.keys = [c[3] for c in cached]
+                return fresh
+        keys = cached[0][0].keys()
+        return ImageInputs({k: torch.cat([c[0][k] for c in cached]) for k in keys},
+                           {k: [len(c[0][k]) for c in cached] for k in keys},
+                           [c[1] for c in cached], [c[2] for c in cached], [c[3] for c in cached])
+
+    def expand(self, text: str, placeholders: list[str], sample_id: str) -> str:
+        """Replace the i-th image marker of `text` with `placeholders[i]`."""
+        parts = text.split(self.image_marker)
+        if len(parts) != len(placeholders) + 1:
+            raise DataError(f"sample {sample_id!r}: the prompt holds {len(parts) - 1} image markers "
+                             f"'{self.image_marker}' for {len(placeholders)} images; does the problem text contain "
+                             f"'{self.image_marker}'? Remove it (images are placed by the chat template)")
+        out = parts[0]
+        for ph, part in zip(placeholders, parts[1:], strict=True):
+            out += ph + part
+        return out
+
+    def tokenize(self, texts: list[str]) -> tuple[Tensor, Tensor]:
+        """Left-padded ids and attention mask of the expanded prompts, with the special tokens the family's own
+        transformers processor gets: the tokenizer's BOS in front when the tokenizer adds one (LLaVA's Llama
+        tokenizer: `<s>`) and the chat template did not already write it (Gemma 3's writes `<bos>`, as
+        `ProcessorMixin.apply_chat_template` checks); nothing else (no EOS at the end of a prompt)."""
+        bos = self.tokenizer.bos_token
+        missing = list(dict.fromkeys(t for t in texts if t not in self.token_rows))
+        if missing:  # remembered per expanded text (a prompt is tokenised again every time it is drawn)
+            if len(self.token_rows) + len(missing) > 1024:
+                self.token_rows.clear()
+            self.token_rows.update(zip(missing, self.tokenizer(missing, add_special_tokens=False)["input_ids"],
+                                       strict=True))
+        rows = [self.token_rows[t] for t in texts]
+        if self.prompt_bos_id is not None:
+            rows = [([] if t.startswith(bos) else [self.prompt_bos_id]) + r for t, r in zip(texts, rows, strict=True)]
+        width = max(len(r) for r in rows)
+        input_ids = torch.full((len(rows), width), self.tokenizer.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, r in enumerate(rows):  # left padding: generation appends to the right of every prompt
+            if r:
+                input_ids[i, width - len(r):] = torch.tensor(r, dtype=torch.long)
+                mask[i, width - len(r):] = 1
+        return input_ids, mask
+
+    def prompt_lengths(self, problems: list[str], images: list[list], sample_ids: list[str]) -> list[int]:
+        """The token count of each prompt `__call__` would build (images included), without image tensors: a
+        family's placeholders depend only on each image's size, so one blank image per distinct size is processed."""
+        from PIL import Image
+
+        from vlmrl.data.images import image_sizes
+
+        sizes = [image_sizes(ims) for ims in images]
+        distinct = sorted({size for row in sizes for size in row})
+        placeholders = {}
+        if distinct:
+            inputs = self.process_images([Image.new("RGB", size) for size in distinct])
+            placeholders = dict(zip(distinct, inputs.placeholders, strict=True))
+        texts = [self.expand(self.prompt_text(p, len(row)), [placeholders[size] for size in row], sid)
+                 for p, row, sid in zip(problems, sizes, sample_ids, strict=True)]
+        rows = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        bos = self.tokenizer.bos_token
+        return [len(r) + (self.prompt_bos_id is not None and not t.startswith(bos)) for t, r in zip(texts, rows,
+                                                                                                  strict=True)]
+
+    def __call__(self, problems: list[str], images: list[list], sample_ids: list[str],
+                 max_prompt_length: int | None = None) -> PromptBatch:
+        texts = [self.prompt_text(p, len(ims)) for p, ims in zip(problems, images, strict=True)]
+        return self.build(texts, images, sample_ids, max_prompt_length)
+
+    def build(self, texts: list[str], images: list[list], sample_ids: list[str],
+              max_prompt_length: int | None = None) -> PromptBatch:
+        """Chat-formatted `texts` (one image marker per image, from `prompt_text` or `chat_text`) and their images
+        -> a PromptBatch: placeholders expanded, tokenised, length and image-token counts checked."""
+        texts = list(texts)
+        flat = [im for ims in images for im in ims]
+        inputs = self.processed_images(flat) if flat else ImageInputs({}, {}, [], [])
+        start = 0
+        for i, ims in enumerate(images):
+            texts[i] = self.expand(texts[i], inputs.placeholders[start:start + len(ims)], sample_ids[i])
+            start += len(ims)
+        input_ids, mask = self.tokenize(texts)
+        if max_prompt_length is not None:
+            for sid, n in zip(sample_ids, mask.sum(-1).tolist(), strict=True):
+                if n > max_prompt_length:
+                    # Never truncate: a cut inside an image placeholder span misaligns features and tokens.
+                    raise PromptTooLongError(
+                        f"sample {sid!r}: prompt is {n} tokens (images included), over max_prompt_length="
+                        f"{max_prompt_length}; raise data.max_prompt_length or lower the pixel budget "
+                        f"(model.max_pixels)")
+        mm = (input_ids == self.image_token_id).long()
+        start = 0
+        for i, ims in enumerate(images):
+            expected = sum(inputs.tokens[start:start + len(ims)])
+            start += len(ims)
+            if int(mm[i].sum()) != expected:
+                raise DataError(f"sample {sample_ids[i]!r}: {int(mm[i].sum())} image placeholder tokens "
+                                 f"'{self.image_token}' but its images give {expected} features: does the problem "
+                                 f"text contain '{self.image_token}'?")
+        return PromptBatch(list(sample_ids), input_ids, mask, mm, inputs.vision, inputs.vision_rows,
+                           [len(i) for i in images], inputs.tokens, inputs.keys)
