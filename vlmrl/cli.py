@@ -107,7 +107,7 @@ def cmd_eval(args) -> int:
     from vlmrl.eval.tables import eval_table
     from vlmrl.models import load_policy
     from vlmrl.preflight import check_device, resolve_model
-    from vlmrl.rewards import RewardSpec
+    from vlmrl.rewards.specs import reward_specs
     from vlmrl.trainer.watch import truncation_warning
 
     ckpt = resolve_model(args.checkpoint, "vlmrl eval")  # a run directory -> its latest complete checkpoint
@@ -124,7 +124,7 @@ def cmd_eval(args) -> int:
     if report is not None and report.skipped:
         print(f"{report.path}: skipped {report.skipped} bad rows", file=sys.stderr)
     policy = load_policy(ckpt, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels)
-    rewards = [RewardSpec.from_config(r) for r in cfg.rewards]
+    rewards = reward_specs(cfg)
     results, full, evaluations = {}, {}, []
     progress = BarProgress()
     from vlmrl.agent import AgentSpec

@@ -104,12 +104,13 @@ def _print_report(result: dict) -> None:
 def cmd_inspect_reward(args: argparse.Namespace) -> int:
     from vlmrl.config import load_config
     from vlmrl.rewards import FatalRewardError, RewardSpec
+    from vlmrl.rewards.specs import reward_specs
 
     recipe, overrides = None, list(args.args)
     if overrides and "=" not in overrides[0]:
         recipe = overrides.pop(0)
     cfg = load_config(recipe, overrides)
-    specs = [RewardSpec(name) for name in args.reward] or [RewardSpec.from_config(r) for r in cfg.rewards]
+    specs = [RewardSpec(name) for name in args.reward] or reward_specs(cfg)
     try:
         result = inspect(specs, args.prediction, _columns(args))
     except FatalRewardError as exc:

@@ -30,7 +30,7 @@ from vlmrl.errors import ConfigError, PathError, TrainingError
 from vlmrl.models import load_policy
 from vlmrl.models.policy import Policy
 from vlmrl.optim import adamw
-from vlmrl.rewards import RewardSpec
+from vlmrl.rewards.specs import reward_specs
 from vlmrl.trainer.checkpoint import checkpoint_problem, save_checkpoint, step_checkpoints
 from vlmrl.trainer.logger import MetricsLogger
 from vlmrl.trainer.run import Progress, run_eval, seed_everything, train
@@ -90,10 +90,6 @@ def load_ood_sets(cfg: Config) -> dict[str, list[dict]]:
     """Samples of every OOD split (loaded before any training starts, so a bad spec fails early)."""
     return {name: build_dataset(spec, split, cfg.data.seed, cfg.data.on_error)[0]
             for name, (spec, split) in ood_specs(cfg).items()}
-
-
-def reward_specs(cfg: Config) -> list[RewardSpec]:
-    return [RewardSpec(r.name, r.weight, dict(r.kwargs), r.label) for r in cfg.rewards]
 
 
 def load_checkpoint_policy(cfg: Config, path: str | Path) -> Policy:

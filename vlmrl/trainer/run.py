@@ -26,6 +26,7 @@ from vlmrl.optim import adamw
 from vlmrl.preflight import check_device, resolve_model
 from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.registry import check_specs
+from vlmrl.rewards.specs import budget_warnings, reward_specs
 from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
 from vlmrl.trainer.distributed import NullLogger, barrier, broadcast_object, gathered, init_distributed
 from vlmrl.trainer.inputs import Datasets, load_datasets
@@ -163,8 +164,11 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     check_distributed(cfg, dist_info)
     if not dist_info.is_main:
         progress = Progress()  # one progress bar and one log: rank 0's
-    rewards = [RewardSpec.from_config(r) for r in cfg.rewards]
+    rewards = reward_specs(cfg)  # the length penalty's limits follow the generation budget unless set
     check_specs(rewards)  # an unknown reward or option fails here, before data or model are built
+    warnings = budget_warnings(cfg)
+    for warning in warnings:
+        progress.message(f"warning: {warning}")
     point = find_resume_point(resume) if resume else None
     resume_state = load_state(point.checkpoint) if point else None
     notes = [*point.notes, *check_resume(cfg, point, resume_state, dist_info.mode == "fsdp2" and dist_info.active)] \
@@ -232,7 +236,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
                                             run_dir / EVAL_SAMPLES if dist_info.is_main else None, cfg.trainer.steps)
             logger.log(summary["final"], cfg.trainer.steps, "eval")
             summary["checkpoint"] = str(job.checkpoint(cfg.trainer.steps))
-    summary["notes"] += job.notes
+    summary["notes"] += warnings + job.notes
     summary["wall_seconds"] = job.wall_before + time.perf_counter() - t_start
     if stopped_at is None:
         logger.log({"wall_seconds": summary["wall_seconds"]}, cfg.trainer.steps, "summary")
