@@ -140,9 +140,15 @@ class PromptEmbeds:
     extras: dict[str, Tensor] = field(default_factory=dict)
 
     def select(self, index: Tensor) -> PromptEmbeds:
-        """Rows `index` (e.g. each prompt repeated G times for its group), without recomputing anything."""
-        return PromptEmbeds(self.embeds[index], self.attention_mask[index], self.position_ids[:, index],
-                            self.next_position[index], {k: v[index] for k, v in self.extras.items()})
+        """Rows `index` (e.g. each prompt repeated G times for its group), without recomputing anything.
+
+        index_select rather than `x[index]`: both copy the same rows, but the backward of `x[index]` is
+        index_put_(accumulate=True), which on a CPU with 2+ threads adds a repeated row's gradients with atomics in an
+        order that depends on timing, so a run on a busy machine drifts from the same run on a quiet one;
+        index_select's backward (index_add_) adds in index order."""
+        pick = lambda x, dim=0: x.index_select(dim, index)  # noqa: E731
+        return PromptEmbeds(pick(self.embeds), pick(self.attention_mask), pick(self.position_ids, 1),
+                            pick(self.next_position), {k: pick(v) for k, v in self.extras.items()})
 
     def completion_positions(self, start: int, length: int) -> Tensor:
         """Positions [3, N, length] of completion tokens start .. start + length - 1."""

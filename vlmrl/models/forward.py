@@ -123,7 +123,8 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
         if len(first) < n:
             out = completion_logprobs(family, prompt, completion_ids[first], completion_mask[first], temperature,
                                       with_entropy, entropy_grad, with_hidden, rows[first], chunk_tokens)
-            return CompletionOutput(*(None if x is None else x[inverse] for x in out))
+            # copied with index_select, whose backward adds in a fixed order (PromptEmbeds.select)
+            return CompletionOutput(*(None if x is None else x.index_select(0, inverse) for x in out))
     if rows is None:
         embeds = torch.cat([prompt.embeds, family.embed_tokens(completion_ids)], dim=1)
         mask = torch.cat([prompt.attention_mask, completion_mask.to(prompt.attention_mask.dtype)], dim=1)
@@ -132,13 +133,15 @@ def completion_logprobs(family, prompt: PromptEmbeds, completion_ids: Tensor, co
         length = prompt.embeds.shape[1]
         hidden = hidden[:, length - 1: length + t - 1]
     else:
+        from vlmrl.models.kv_cache import select_rows  # transformers' cache classes, as family.new_cache
+
         # prefill once per prompt; the hidden state of its last token predicts every answer's first token
         cache = family.new_cache()
         last = family.forward_hidden(prompt.embeds, prompt.attention_mask, prompt.position_ids, cache,
                                      prompt.extras)[:, -1]
-        hidden = last[rows].unsqueeze(1)
+        hidden = last.index_select(0, rows).unsqueeze(1)  # a fixed-order backward (PromptEmbeds.select)
         if t > 1:  # tokens 0..t-2 predict tokens 1..t-1, attending to their prompt's (shared) keys and values
-            cache.batch_select_indices(rows)
+            select_rows(cache, rows)
             expanded = prompt.select(rows)
             mask = torch.cat([expanded.attention_mask, completion_mask[:, :-1].to(expanded.attention_mask.dtype)], 1)
             tail = family.forward_hidden(family.embed_tokens(completion_ids[:, :-1]), mask,

@@ -14,7 +14,7 @@ one concatenation per forward costs nothing and whose backward is the plain one.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 
 class ReservedLayer(DynamicLayer):
@@ -84,7 +84,7 @@ class ReservedLayer(DynamicLayer):
         self._rows(lambda b: b.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._rows(lambda b: b[indices, ...])
+        self._rows(lambda b: b.index_select(0, indices.to(b.device)))  # a fixed-order backward (`select_rows`)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._rows(lambda b: b.index_select(0, beam_idx.to(b.device)))
@@ -95,6 +95,21 @@ class ReservedLayer(DynamicLayer):
     def prefetch(self):
         if self.is_initialized and self.key_buffer is not None and self.key_buffer.device != self.device:
             self._rows(lambda b: b.to(self.device, non_blocking=True))
+
+
+def select_rows(cache: DynamicCache, rows: torch.Tensor) -> None:
+    """`cache.batch_select_indices(rows)` with index_select for the layers that gather with `keys[rows]`
+    (transformers' DynamicLayer and its sliding-window kind): both copy the same rows, but the training forward
+    backpropagates through this copy, and the backward of `keys[rows]` is index_put_(accumulate=True), which on a
+    CPU with 2+ threads adds a prompt's repeated rows with atomics in a timing-dependent order; index_select's
+    backward adds in index order, so a multi-thread run repeats on a busy machine too."""
+    for layer in cache.layers:
+        if type(layer) in (DynamicLayer, DynamicSlidingWindowLayer):
+            if layer.get_seq_length() > 0:
+                layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
+                layer.values = layer.values.index_select(0, rows.to(layer.values.device))
+        else:
+            layer.batch_select_indices(rows)
 
 
 def generation_cache(config, reserve: int) -> DynamicCache:
