@@ -406,3 +406,42 @@ def test_agentic_recipe_trains_evaluates_and_reports(tmp_path):
     shown = [by_step[i] for i in sorted({0, len(by_step) // 2, len(by_step) - 1})]
     expected = sum(len(t["images"]) for e in shown for ep in e["turns"][:2] for t in ep)
     assert expected >= 2 and "Episode of answer 1" in page and page.count('alt="tool image') == expected
+
+
+@pytest.mark.parametrize("estimator,critic", [("reinforce_pp", None), ("gae", "head"), ("gae", "separate")])
+def test_token_level_estimators_train_multi_turn_trajectories(tiny_model_dir, count_samples, monkeypatch, estimator,
+                                                              critic):
+    """PPO with a critic and REINFORCE++ on 3-turn trajectories: the reward reaches the first turn's tokens,
+    observation tokens get no advantage, and one update moves the policy (and the critic's head)."""
+    from tests.test_algorithms_e2e import _context
+    from vlmrl.trainer.critic import Critic
+    from vlmrl.trainer.rl import build_trajectories, collect_and_score
+    from vlmrl.trainer.update import update
+
+    cfg = load_config(None, ["rollout.group_size=2", "rollout.max_new_tokens=6"])
+    policy = load_policy(tiny_model_dir)
+    before = {k: p.detach().clone() for k, p in policy.model.named_parameters()}
+    scripted(monkeypatch, policy, {0: [ZOOM, ZOOM], 1: [CALC, ANSWER], 2: [ANSWER]})
+    ctx = _context(policy, cfg, advantage=estimator, lam=1.0)  # (lam < 1 would fade the reward over 60 tokens)
+    if critic:
+        ctx.critic = Critic(policy, critic)
+    ctx.agent = AgentSpec(AgentLimits(3, 64, 400, 2), BUILTIN_TOOLS, tool_env, 84 * 84)
+    batch = collect_and_score(ctx, count_samples[:1])
+    assert batch.rollout.columns["num_turns"] == [3, 2]
+    batch.rewards.total = torch.tensor([1.0, 0.0])
+    traj = build_trajectories(ctx, batch)
+    mask = batch.rollout.completion_mask.bool()
+    adv = traj.advantages
+    assert not adv.requires_grad and adv.shape == mask.shape
+    assert (adv[~mask] == 0).all()  # observations and padding
+    assert (adv[0][mask[0]] != 0).all() and (adv[1][mask[1]] != 0).all()  # every policy token, turn 1 included
+    # the rewarded trajectory's first-turn tokens are pushed up, the unrewarded one's down
+    first = int(mask[0].long().argmin())  # the first observation column: turn 1 is before it
+    assert (adv[0, :first] > 0).all() and (adv[1, :first] < 0).all()
+    head = None if critic is None else ctx.critic.head.weight.detach().clone()
+    ctx.step = ctx.algorithm.critic_warmup_steps + 1  # past the critic-only warm-up
+    update(ctx, batch.rollout.context, traj)
+    moved = max((p - before[k]).abs().max().item() for k, p in policy.model.named_parameters())
+    assert moved > 1e-4
+    if critic:
+        assert not torch.equal(ctx.critic.head.weight, head)

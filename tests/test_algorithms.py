@@ -93,6 +93,66 @@ def test_gae_by_hand():
     assert close(out.advantages, [[0.4, 0.2]]) and close(out.returns, [[0.9, 1.0]])
 
 
+# -- multi-turn trajectories: policy tokens with holes (observations) --------------------------------------------------
+# three turns: policy columns 0-1, observation 2-3, policy 4, observation 5, policy 6-7, padding 8
+TURNS = T([[1, 1, 0, 0, 1, 0, 1, 1, 0]])
+
+
+def test_multi_turn_reward_lands_on_the_last_policy_token_and_returns_skip_observations():
+    r = token_rewards(T([1.0]), TURNS, kl=torch.full((1, 9), 0.2), beta=0.5)
+    # -0.1 on every policy token, +1 on column 7 (the last policy token), nothing on observations or padding
+    assert close(r, [[-0.1, -0.1, 0, 0, -0.1, 0, -0.1, 0.9, 0]])
+    # gamma 1: every policy token's return is the sum of the rewards at or after it, over policy tokens only
+    assert close(discounted_returns(r, TURNS, 1.0), [[0.5, 0.6, 0, 0, 0.7, 0, 0.8, 0.9, 0]])
+    # gamma 0.5 counts policy tokens, not columns: 7 -> 0.9; 6 -> -0.1 + 0.45; 4 -> -0.1 + 0.175; 1 -> -0.1 + 0.0375
+    # 0 -> -0.1 + 0.5 * (-0.0625)
+    assert close(discounted_returns(r, TURNS, 0.5), [[-0.13125, -0.0625, 0, 0, 0.075, 0, 0.35, 0.9, 0]])
+
+
+def test_multi_turn_reinforce_pp_reaches_the_first_turn():
+    # rewards [1, 0], no KL, gamma 1: row 0's five policy tokens all return 1, row 1's return 0; observations 0
+    mask = torch.cat([TURNS, TURNS])
+    adv = reinforce_pp_advantages(T([1.0, 0.0]), group_size=1, mask=mask).advantages
+    # whitened over the 10 policy tokens (mean 0.5, std 0.5): +1 and -1
+    assert close(adv, [[1, 1, 0, 0, 1, 0, 1, 1, 0], [-1, -1, 0, 0, -1, 0, -1, -1, 0]])
+
+
+def test_multi_turn_gae_by_hand():
+    # V on policy tokens [0.1, 0.2 | 0.4 | 0.6, 0.8]; observations hold 5.0, which must be ignored
+    values = T([[0.1, 0.2, 5.0, 5.0, 0.4, 5.0, 0.6, 0.8, 5.0]])
+    # gamma = lam = 1: delta over policy tokens = [0.2 - 0.1, 0.4 - 0.2, 0.6 - 0.4, 0.8 - 0.6, 1 - 0.8]
+    # = [0.1, 0.2, 0.2, 0.2, 0.2]; A = suffix sums = [0.9, 0.8, 0.6, 0.4, 0.2]; returns = A + V = 1 everywhere
+    out = gae_advantages(T([1.0]), TURNS, values, gamma=1.0, lam=1.0, whiten=False)
+    assert close(out.advantages, [[0.9, 0.8, 0, 0, 0.6, 0, 0.4, 0.2, 0]])
+    assert close(out.returns, [[1, 1, 0, 0, 1, 0, 1, 1, 0]])
+    # lam = 0.5: A7 = 0.2, A6 = 0.2 + 0.1 = 0.3, A4 = 0.2 + 0.15 = 0.35, A1 = 0.2 + 0.175 = 0.375,
+    # A0 = 0.1 + 0.1875 = 0.2875
+    out = gae_advantages(T([1.0]), TURNS, values, gamma=1.0, lam=0.5, whiten=False)
+    assert close(out.advantages, [[0.2875, 0.375, 0, 0, 0.35, 0, 0.3, 0.2, 0]])
+
+
+def test_contiguous_masks_give_the_same_bits_as_the_plain_scan():
+    """On single-turn rows (a contiguous mask) the hole-aware scans are the plain right-to-left recursions."""
+    torch.manual_seed(0)
+    lengths = torch.tensor([5, 1, 0, 7, 3])
+    mask = (torch.arange(7)[None] < lengths[:, None]).float()
+    r, v = torch.randn(5, 7) * mask, torch.randn(5, 7)
+    plain, running = torch.zeros(5, 7), torch.zeros(5)
+    for t in range(6, -1, -1):
+        running = r[:, t] + 0.9 * running * mask[:, t]
+        plain[:, t] = running
+    assert torch.equal(discounted_returns(r, mask, 0.9), plain * mask)
+    adv, running, vm = torch.zeros(5, 7), torch.zeros(5), v * mask
+    rewards = torch.randn(5)
+    tr = token_rewards(rewards, mask)
+    for t in range(6, -1, -1):
+        nxt = vm[:, t + 1] if t < 6 else torch.zeros(5)
+        delta = tr[:, t] + 0.9 * nxt - vm[:, t]
+        running = (delta + 0.9 * 0.8 * running * (mask[:, t + 1] if t < 6 else 0)) * mask[:, t]
+        adv[:, t] = running
+    assert torch.equal(gae_advantages(rewards, mask, v, gamma=0.9, lam=0.8, whiten=False).advantages, adv)
+
+
 # -- failed rewards (scored = False): advantage 0, out of every statistic ---------------------------------------------
 def test_a_failed_reward_in_an_all_equal_group_is_no_signal():
     # group [1, 1, failed, 1]: the failed row's total is a partial 0.0, which must not count as a low reward

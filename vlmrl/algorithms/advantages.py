@@ -125,25 +125,38 @@ def remax_advantages(rewards: Tensor, baseline_rewards: Tensor, scored: Tensor |
     return Advantages((rewards - baseline_rewards) * _keep(rewards, scored))
 
 
+def last_token(mask: Tensor) -> Tensor:
+    """The column [N] of each row's last policy token (0 for a row without one).
+
+    A row's policy tokens need not be contiguous: an agent's trajectory is policy turn | observation | policy turn
+    ..., with the mask 0 on the observations (the `Trajectories` contract, vlmrl.trainer.types)."""
+    t = mask.shape[-1]
+    return (t - 1 - (mask != 0).long().flip(-1).argmax(-1)).clamp(min=0)
+
+
 def token_rewards(rewards: Tensor, mask: Tensor, kl: Tensor | None = None, beta: float = 0.0) -> Tensor:
-    """Per-token rewards [N, T]: -beta * kl_t on every token, plus the sequence reward on its last real token
-    (the KL-in-reward shaping of PPO-RLHF and REINFORCE++)."""
+    """Per-token rewards [N, T]: -beta * kl_t on every policy token, plus the sequence reward on the last policy
+    token (the KL-in-reward shaping of PPO-RLHF and REINFORCE++); never on an observation or padding column."""
     mask = mask.to(rewards.dtype)
     out = torch.zeros_like(mask)
     if kl is not None and beta:
         out = out - beta * kl * mask
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
     has_tokens = mask.sum(-1) > 0
-    out[torch.arange(len(rewards)), last] += torch.where(has_tokens, rewards, torch.zeros_like(rewards))
+    out[torch.arange(len(rewards)), last_token(mask)] += torch.where(has_tokens, rewards, torch.zeros_like(rewards))
     return out
 
 
 def discounted_returns(token_reward: Tensor, mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """G_t = sum_{k >= t} gamma^(k - t) r_k over real tokens (right-to-left scan)."""
+    """G_t = sum_{k >= t} gamma^(k - t) r_k over the policy tokens only (right-to-left scan).
+
+    k counts policy tokens: a column with mask 0 (an observation between two turns, or padding) is skipped, neither
+    discounting nor adding, so the return of a turn's tokens includes the later turns' rewards. On a contiguous
+    mask this is the plain right-to-left return."""
     out = torch.zeros_like(token_reward)
     running = torch.zeros_like(token_reward[:, 0])
+    policy = mask.bool()
     for t in range(token_reward.shape[1] - 1, -1, -1):
-        running = token_reward[:, t] + gamma * running * mask[:, t]
+        running = torch.where(policy[:, t], token_reward[:, t] + gamma * running, running)
         out[:, t] = running
     return out * mask
 
@@ -188,22 +201,27 @@ def gae_advantages(rewards: Tensor, mask: Tensor, values: Tensor, kl: Tensor | N
                    reduce: Reduce | None = None, **_) -> Advantages:
     """PPO's generalised advantage estimation with a learned value V_t per token:
 
-        delta_t = r_t + gamma * V_{t+1} - V_t   (V after the last real token is 0)
+        delta_t = r_t + gamma * V_{t+1} - V_t   (V after the last policy token is 0)
         A_t = sum_k (gamma * lam)^k delta_{t+k},   returns_t = A_t + V_t (the critic's target)
 
-    r_t are the token rewards (sequence reward on the last token, -beta * KL_t on every token). Advantages are
-    whitened over real tokens (all ranks) when `whiten`; returns are not.
+    t and t+1 are consecutive *policy* tokens: an observation between two turns (mask 0) is skipped, so V_{t+1} of a
+    turn's last token is the value at the next turn's first token and the advantage flows across the observation.
+    r_t are the token rewards (sequence reward on the last policy token, -beta * KL_t on every policy token).
+    Advantages are whitened over policy tokens (all ranks) when `whiten`; returns are not.
     """
     mask = _scored_tokens(mask, scored).to(values.dtype)
     r = token_rewards(rewards, mask, kl, beta)
     values = values * mask
+    policy = mask.bool()
     adv = torch.zeros_like(values)
     running = torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(running)  # V at the next policy token (0 after the last)
     for t in range(values.shape[1] - 1, -1, -1):
-        next_value = values[:, t + 1] if t + 1 < values.shape[1] else torch.zeros_like(running)
         delta = r[:, t] + gamma * next_value - values[:, t]
-        running = (delta + gamma * lam * running * (mask[:, t + 1] if t + 1 < values.shape[1] else 0)) * mask[:, t]
+        running = torch.where(policy[:, t], delta + gamma * lam * running, running)
+        next_value = torch.where(policy[:, t], values[:, t], next_value)
         adv[:, t] = running
+    adv = adv * mask
     returns = (adv + values) * mask
     return Advantages(masked_whiten(adv, mask, reduce=reduce) if whiten else adv, returns)
 

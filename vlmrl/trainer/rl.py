@@ -237,7 +237,8 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     beta = ctx.kl.beta  # fixed, or adapted after every step (algorithm.kl_target)
     reward_kl = algo.kl_in == "reward" and beta > 0 and ctx.reference is not None
     old = ref = values = policy_logprobs = greedy_kl = None
-    with ctx.policy.sampling(), gathered(ctx.forward):
+    # no gradient: a critic's values would otherwise carry its graph into the advantages and value targets
+    with torch.no_grad(), ctx.policy.sampling(), gathered(ctx.forward):
         if not ctx.batch_used_once or reward_kl:  # the policy's log-probs before the update
             policy_logprobs = score_batch(ctx.policy, *args, **chunks).logprobs
         if not ctx.batch_used_once:

@@ -60,7 +60,13 @@ class StepContext:
 
 
 class Trajectories(NamedTuple):
-    """Stage III output: everything the update needs, one row per trajectory (rows of a group contiguous)."""
+    """Stage III output: everything the update needs, one row per trajectory (rows of a group contiguous).
+
+    The token masks mark the policy's own tokens, which need not be contiguous: a multi-turn trajectory (vlmrl.agent)
+    is policy turn | observation | policy turn ..., the observations masked out. Every per-token computation honours
+    that: the sequence reward lands on the last policy token (`algorithms.advantages.last_token`), returns and GAE
+    run over the policy tokens only (value flows across an observation), and an observation never gets a loss.
+    Single-turn rows are the one-segment case."""
 
     prompt_index: Tensor  # [N]
     completion_ids: Tensor  # [N, T]
