@@ -3,6 +3,8 @@ tokenizer knows the user's words; during training: a run with no learning signal
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from vlmrl.config import ConfigError, load_config
@@ -126,6 +128,11 @@ def test_user_words_become_tokens_so_phrase_labels_fit():
     assert before > 12 >= after, (before, after)
 
 
+SMALL_TINY = ["trainer.threads=1", "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
+              "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64", "model.tiny.vision_depth=1",
+              "model.tiny.vision_dim=32", "model.tiny.vision_heads=2"]
+
+
 def test_training_on_labels_longer_than_the_budget_stops_before_any_step(tmp_path, monkeypatch, capsys):
     import json
 
@@ -136,12 +143,13 @@ def test_training_on_labels_longer_than_the_budget_stops_before_any_step(tmp_pat
                                                           "a mossy branch in the rain"}] * 4
     (tmp_path / "birds.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     spec = "{path: birds.jsonl}"
-    code = main(["train", f"data.train={spec}", f"data.sft={spec}", f"data.eval={spec}", "trainer.threads=1",
-                 "model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2",
-                 "model.tiny.num_kv_heads=1", "model.tiny.intermediate_size=64", "model.tiny.vision_depth=1",
-                 "model.tiny.vision_dim=32", "model.tiny.vision_heads=2"])
+    code = main(["train", f"data.train={spec}", f"data.sft={spec}", f"data.eval={spec}", *SMALL_TINY])
     err = capsys.readouterr().err
     last = err.strip().splitlines()[-1]  # (a library may warn before, e.g. tokenizers about a fork)
     assert code == 2 and last.startswith("error: rollout.max_new_tokens=12 is too short for the labelled answers"), err
-    metrics = (tmp_path / "runs" / "quickstart" / "metrics.jsonl").read_text()
-    assert '"phase": "sft"' not in metrics and '"phase": "train"' not in metrics  # nothing was trained
+    # the refused run said where it would write, and left nothing there (issue 42: no numbered sibling next time)
+    assert f"run directory: {Path('runs/quickstart')}" in err and not (tmp_path / "runs" / "quickstart").exists()
+    (tmp_path / "runs" / "quickstart").mkdir(parents=True)  # a folder the user made, empty: kept, and still empty
+    assert main(["train", f"data.train={spec}", f"data.sft={spec}", f"data.eval={spec}", *SMALL_TINY]) == 2
+    assert list((tmp_path / "runs").iterdir()) == [tmp_path / "runs" / "quickstart"]
+    assert not any((tmp_path / "runs" / "quickstart").iterdir())

@@ -9,7 +9,7 @@ from transformers import Qwen2VLForConditionalGeneration
 
 from vlmrl.cli import main
 from vlmrl.config import load_config
-from vlmrl.trainer.run import train
+from vlmrl.trainer.run import Progress, train
 
 # plain GRPO for the tests that run `vlmrl train` itself (without a recipe it runs the quickstart: DAPO's settings)
 GRPO = str(Path(__file__).resolve().parents[1] / "recipes/grpo.yaml")
@@ -47,10 +47,22 @@ def test_three_step_training_run(tmp_path):
     assert json.loads(out.read_text())["T=0.0"]["n"] == 6
 
 
-def test_runs_are_never_overwritten(tmp_path):
+def test_runs_are_never_overwritten_and_say_where_they_write(tmp_path):
+    class Messages(Progress):
+        def __init__(self):
+            self.lines = []
+
+        def message(self, text):
+            self.lines.append(text)
+
     cfg = small_config(tmp_path, "trainer.steps=1", "sft.steps=0")
-    first, second = train(cfg), train(cfg)
+    said = [Messages(), Messages()]
+    first, second = train(cfg, said[0]), train(cfg, said[1])
     assert first["run_dir"] != second["run_dir"] and second["run_dir"].endswith("run-2")
+    # each run names its directory first, and the second says why it is not trainer.output_dir itself
+    assert said[0].lines[0] == f"run directory: {tmp_path / 'run'}"
+    assert said[1].lines[0].startswith(f"run directory: {tmp_path / 'run-2'} ({tmp_path / 'run'} exists and is not "
+                                       "empty, and runs are never overwritten")
 
 
 def test_same_seed_same_numbers_and_exact_resume(tmp_path):

@@ -6,6 +6,7 @@ Progress reaches the caller through a `Progress` object (the CLI draws bars with
 from __future__ import annotations
 
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -17,6 +18,7 @@ from vlmrl.agent import AgentSpec
 from vlmrl.agent.tools import TOOL_TOKENS
 from vlmrl.config import Config, save_config, to_dict, validate
 from vlmrl.data import vocabulary_texts
+from vlmrl.errors import VlmrlError
 from vlmrl.eval.generative import evaluate
 from vlmrl.eval.samples import EVAL_SAMPLES, write_samples
 from vlmrl.models import build_tiny_vlm, load_policy
@@ -28,6 +30,7 @@ from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.registry import check_specs
 from vlmrl.rewards.specs import budget_warnings, reward_specs
 from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
+from vlmrl.trainer.curriculum import difficulties
 from vlmrl.trainer.distributed import NullLogger, barrier, broadcast_object, gathered, init_distributed
 from vlmrl.trainer.inputs import Datasets, load_datasets
 from vlmrl.trainer.job import RLJob, check_distributed, lr_lambda, prepare_rl, start_vllm
@@ -54,15 +57,35 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def fresh_run_dir(path: str | Path) -> Path:
-    """`path`, or `path-2`, `path-3`, ... if it exists and is not empty: earlier runs are never overwritten."""
+def claim_run_dir(path: str | Path) -> tuple[Path, bool]:
+    """(`path`, or `path-2`, `path-3`, ... if it exists and is not empty, whether this call created it): earlier runs
+    are never overwritten."""
     path = Path(path)
     candidate, k = path, 1
     while candidate.exists() and any(candidate.iterdir()):
         k += 1
         candidate = path.with_name(f"{path.name}-{k}")
+    created = not candidate.exists()
     candidate.mkdir(parents=True, exist_ok=True)
-    return candidate
+    return candidate, created
+
+
+def fresh_run_dir(path: str | Path) -> Path:
+    """`path`, or `path-2`, `path-3`, ... if it exists and is not empty: earlier runs are never overwritten."""
+    return claim_run_dir(path)[0]
+
+
+def discard_run_dir(run_dir: Path, created: bool) -> None:
+    """Remove what a refused run wrote: the folder itself when the run created it, else (an empty folder the user
+    made) its contents."""
+    if created:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for child in run_dir.iterdir():
+        if child.is_dir():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
 
 
 def build_policy(cfg: Config, run_dir: Path, dist_info=None, data: Datasets | None = None) -> Policy:
@@ -110,12 +133,23 @@ def run_eval(policy: Policy, cfg: Config, samples: list[dict], rewards, progress
     return out
 
 
+def run_dir_message(run_dir: Path, output_dir: str | Path, resumed_at: int | None = None) -> str:
+    """The line a run starts with: where it writes, and why when that is not `trainer.output_dir` itself."""
+    if resumed_at is not None:
+        return f"run directory: {run_dir} (resumed from checkpoint-{resumed_at})"
+    if Path(run_dir) != Path(output_dir):
+        return (f"run directory: {run_dir} ({output_dir} exists and is not empty, and runs are never overwritten; "
+                f"set trainer.output_dir to choose another)")
+    return f"run directory: {run_dir}"
+
+
 def warm_start(cfg: Config, run_dir: Path, data: Datasets, rewards: list[RewardSpec], generator: torch.Generator,
-               logger, progress: Progress, dist_info) -> tuple[Policy, dict]:
-    """Build the policy, run the SFT warm-start, evaluate the start; returns the policy (with LoRA adapters when
-    configured) and the start's evaluation."""
-    policy = build_policy(cfg, run_dir, dist_info, data)
-    check_data_fits(policy, cfg, data)  # every label and prompt fits its budget, before any training step
+               logger, progress: Progress, dist_info, policy: Policy | None = None) -> tuple[Policy, dict]:
+    """Build the policy (unless given, its data checked), run the SFT warm-start, evaluate the start; returns the
+    policy (with LoRA adapters when configured) and the start's evaluation."""
+    if policy is None:
+        policy = build_policy(cfg, run_dir, dist_info, data)
+        check_data_fits(policy, cfg, data)  # every label and prompt fits its budget, before any training step
     agent = AgentSpec.from_config(cfg.agent, policy.processor)  # multi-turn: demonstrations replay their tool calls
     if cfg.sft.steps > 0:
         sft_opt = adamw([p for p in policy.model.parameters() if p.requires_grad], cfg.sft.lr)
@@ -176,34 +210,51 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
 
     data = load_datasets(cfg)
     check_specs(rewards, {k for split in (data.train, data.eval) for s in split[:1] for k in s})  # kwargs vs columns
-    run_dir = point.run_dir if point else None
+    if cfg.curriculum.order == "easy_to_hard":
+        difficulties(data.train)  # a missing difficulty is refused now, not after the SFT warm-start
+    run_dir, created = (point.run_dir, False) if point else (None, False)
     if run_dir is None and dist_info.is_main:
-        run_dir = fresh_run_dir(cfg.trainer.output_dir)
+        run_dir, created = claim_run_dir(cfg.trainer.output_dir)
     run_dir = broadcast_object(run_dir, dist_info)
-    # a stop's pending evaluation, or the final one (a finished run resumed at its last step) is run again
-    rerun_eval = point is not None and (bool(resume_state.get("eval_pending")) or point.step == cfg.trainer.steps)
-    if dist_info.is_main:
-        if point:
-            notes += rewind_checkpoints(point) + rewind_logs(run_dir, point.step, rerun_eval)
-        save_config(cfg, run_dir / "config.yaml")
-        logger = MetricsLogger(run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project, to_dict(cfg))
-    else:
-        logger = NullLogger()
-    barrier(dist_info)  # the run directory is rewound before any rank reads it
-    for note in notes:
-        progress.message(note)
-    for r in data.reports:
-        if r.skipped:
-            progress.message(f"{r.path}: skipped {r.skipped} bad rows (data.on_error=skip); first: {r.problems[0]}")
-    if point is None:  # (a resumed run keeps the first process's row)
-        logger.log({"train_prompts": len(data.train), "eval_samples": len(data.eval), "sft_samples": len(data.sft),
-                    "skipped_rows": data.skipped}, 0, "data")
+    progress.message(run_dir_message(run_dir, cfg.trainer.output_dir, point.step if point else None))
+    # a refusal before the first training step (the data does not fit the model's budgets, say) removes what this
+    # run wrote, so the corrected rerun writes to the same place instead of a numbered sibling
+    fresh = point is None and dist_info.is_main
+    logger = NullLogger()
+    try:
+        # a stop's pending evaluation, or the final one (a finished run resumed at its last step) is run again
+        rerun_eval = point is not None and (bool(resume_state.get("eval_pending")) or point.step == cfg.trainer.steps)
+        if dist_info.is_main:
+            if point:
+                notes += rewind_checkpoints(point) + rewind_logs(run_dir, point.step, rerun_eval)
+            save_config(cfg, run_dir / "config.yaml")
+            logger = MetricsLogger(run_dir, cfg.trainer.tensorboard, cfg.trainer.wandb_project, to_dict(cfg))
+        barrier(dist_info)  # the run directory is rewound before any rank reads it
+        for note in notes:
+            progress.message(note)
+        for r in data.reports:
+            if r.skipped:
+                progress.message(f"{r.path}: skipped {r.skipped} bad rows (data.on_error=skip); first: "
+                                 f"{r.problems[0]}")
+        if point is None:  # (a resumed run keeps the first process's row)
+            logger.log({"train_prompts": len(data.train), "eval_samples": len(data.eval),
+                        "sft_samples": len(data.sft), "skipped_rows": data.skipped}, 0, "data")
+        policy = None
+        if resume_state is None:
+            policy = build_policy(cfg, run_dir, dist_info, data)
+            check_data_fits(policy, cfg, data)  # every label and prompt fits its budget, before any training step
+    except VlmrlError:
+        if fresh:
+            logger.close()
+            discard_run_dir(run_dir, created)
+        raise
     summary: dict = {"run_dir": str(run_dir), "skipped_rows": data.skipped, "notes": notes,
                      "skipped_problems": [p for r in data.reports for p in r.problems]}
 
     generator = torch.Generator().manual_seed(cfg.trainer.seed)
     if resume_state is None:
-        policy, summary["start"] = warm_start(cfg, run_dir, data, rewards, generator, logger, progress, dist_info)
+        policy, summary["start"] = warm_start(cfg, run_dir, data, rewards, generator, logger, progress, dist_info,
+                                              policy)
     else:
         m = cfg.model
         policy = configure_training(load_policy(point.checkpoint, m.dtype, dist_info.device, m.min_pixels,
