@@ -17,6 +17,8 @@ naming the sample and the turn.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from vlmrl.errors import DataError
@@ -27,13 +29,23 @@ _PROBE = [{"role": "user", "content": [{"type": "text", "text": "q"}]},
           {"role": "assistant", "content": [{"type": "text", "text": "a"}]}]
 
 
-def tool_message(content: list[dict]) -> dict:
-    """The message a tool response is rendered as: a user turn wrapped in `<tool_response>`, images in place."""
+def tool_message(content: list[dict], text: list[str] | None = None) -> dict:
+    """The message a tool response is rendered as: a user turn wrapped in `<tool_response>`, images in place.
+    `text`: what to write for the text blocks, in order (default: their own text)."""
+    texts = iter(text if text is not None else [b["text"] for b in content if b["type"] != "image"])
     parts = [{"type": "text", "text": "<tool_response>\n"}]
     for block in content:
-        parts.append({"type": "image"} if block["type"] == "image" else {"type": "text", "text": block["text"]})
+        parts.append({"type": "image"} if block["type"] == "image" else {"type": "text", "text": next(texts)})
     parts.append({"type": "text", "text": "\n</tool_response>"})
     return {"role": "user", "content": parts}
+
+
+def _slot(i: int) -> str:
+    """A stand-in for text block i while the template renders (private-use characters no template writes)."""
+    return f"\ue000{i}\ue001"
+
+
+_SLOT = re.compile("\ue000(\\d+)\ue001")
 
 
 class TurnRenderer:
@@ -57,17 +69,30 @@ class TurnRenderer:
         return after[cut + len(self.end):]
 
     def observation(self, content: list[dict], sample_id: str, turn: int) -> tuple[list[int], list, list[int]]:
-        """(ids, images, image tokens of each image) of an observation's content blocks."""
+        """(ids, images, image tokens of each image) of an observation's content blocks.
+
+        Only the template's scaffold and vlmrl's `<tool_response>` wrapper may yield special tokens: the text of a
+        tool or environment (which can echo the policy's own words, or an OCR'd page) is tokenised with special
+        tokens split, so `<|im_end|>` in it is plain text, never a forged turn boundary, and `<|image_pad|>` never
+        an image slot. Image placeholders come from image blocks only. The text blocks stand in as slots while the
+        template renders; the scaffold between them is tokenised as usual."""
         images = [b["image"] for b in content if b["type"] == "image"]
-        text = self.suffix(tool_message(content))
+        texts = [b["text"] for b in content if b["type"] != "image"]
+        rendered = self.suffix(tool_message(content, [_slot(i) for i in range(len(texts))]))
         inputs = self.processor.processed_images(images) if images else ImageInputs({}, {}, [], [])
-        text = self.processor.expand(text, inputs.placeholders, f"{sample_id}, turn {turn}")
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        rendered = self.processor.expand(rendered, inputs.placeholders, f"{sample_id}, turn {turn}")
+        ids: list[int] = []
+        pieces = _SLOT.split(rendered)  # scaffold, slot index, scaffold, ...
+        for k, piece in enumerate(pieces):
+            if k % 2:
+                ids += self.tokenizer(texts[int(piece)], add_special_tokens=False,
+                                      split_special_tokens=True)["input_ids"]
+            elif piece:
+                ids += self.tokenizer(piece, add_special_tokens=False)["input_ids"]
         found = sum(1 for i in ids if i == self.processor.image_token_id)
         if found != sum(inputs.tokens):
             raise DataError(f"sample {sample_id!r}, turn {turn}: the observation has {found} image placeholder "
-                            f"tokens for {len(images)} image(s) of {sum(inputs.tokens)} features; does a tool's "
-                            f"text contain {self.processor.image_token!r}?")
+                            f"tokens for {len(images)} image(s) of {sum(inputs.tokens)} features")
         return ids, images, inputs.tokens
 
 

@@ -4,9 +4,12 @@ Turn 0 is the single-turn sampler itself (G answers per prompt, the prompt encod
 trajectory's environment answers its message (vlmrl.agent.env); the observation's ids and images are appended to the
 trajectory (vlmrl.agent.render), and the trajectories still going generate their next turn in one batched call, each
 from its own random stream (a function of its prompt's seed, its index in the group and the turn), so the same
-seed gives the same trajectories whatever else shares the batch. A trajectory ends when its environment says so,
-at `max_turns`, when a turn hits `turn_tokens` without an end token, or when the next observation would pass the
-trajectory's token budget (`max_total_tokens`) or image budget (`max_images`); the last two count as truncated.
+seed gives the same trajectories whatever else shares the batch. Each trajectory also has its own token budget
+per turn (`turn_tokens`, or less when its episode has less room left in `max_total_tokens`), enforced per row
+through `generate`'s `on_token`: one long trajectory never shortens the others. A trajectory ends when its
+environment says so, at `max_turns`, when a turn uses its budget without an end token, when the next observation
+would leave it no room for another token (`max_total_tokens`) or pass its image budget (`max_images`) — these
+count as truncated — or when an observation cannot be rendered (`agent/ended/render_error`; the run goes on).
 
 The result is an ordinary `Rollout` whose completion is everything after the prompt (the policy's tokens and the
 observations) with `completion_mask` on the policy's tokens only, plus the `ConversationBatch` of the whole
@@ -25,7 +28,7 @@ from vlmrl.agent.render import TurnRenderer, conversation_batch
 from vlmrl.agent.tools import Tool, ToolContext
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
-from vlmrl.rollout.generate import Rollout, generate
+from vlmrl.rollout.generate import OnToken, Rollout, generate
 
 
 @dataclass
@@ -74,6 +77,9 @@ class AgentRollout:
                 "env_reward": [e.env_reward for e in self.episodes]}
 
 
+ENDINGS = ("budget", "env_raised", "render_error")  # what ends an episode early (agent/ended/<kind>)
+
+
 def agent_metrics(columns: dict[str, list]) -> dict[str, float]:
     """The episodes' tool use and shape: tool calls per episode, failed calls (`tool/failures`, and per kind), the
     share of episodes that called a tool, the share of calls that failed, turns and images per episode."""
@@ -91,14 +97,26 @@ def agent_metrics(columns: dict[str, list]) -> dict[str, float]:
            "tool/invalid_rate": failures / max(calls, 1),
            "agent/turns_per_episode": sum(len(ep) for ep in turns) / n,
            "agent/images_per_episode": sum(len(t["images"]) for ep in turns for t in ep) / n}
-    out.update({f"agent/ended/{k}": float(v) for k, v in sorted(errors.items()) if k in ("budget", "env_raised")})
+    out.update({f"agent/ended/{k}": float(v) for k, v in sorted(errors.items()) if k in ENDINGS})
     out.update({f"tool/failures/{k}": float(v) for k, v in sorted(errors.items())
-                if k not in ("budget", "env_raised")})
+                if k not in ENDINGS})
     return out
 
 
 def turn_seed(prompt_seed: int, member: int, turn: int) -> int:
     return ((prompt_seed * 1_000_039 + member) * 1_000_081 + turn) % (2**63 - 1)
+
+
+def row_budgets(budgets: list[int]) -> OnToken:
+    """`generate`'s per-row stop: row j ends after `budgets[j]` tokens, whatever the call's longest budget."""
+    limit, count = torch.tensor(budgets), 0
+
+    def on_token(tokens: torch.Tensor, alive: torch.Tensor) -> torch.Tensor:
+        nonlocal count
+        count += 1
+        return limit.to(tokens.device) <= count
+
+    return on_token
 
 
 def _step_env(episode: Episode, text: str) -> Observation:
@@ -129,17 +147,20 @@ def agent_rollout(policy: Policy, prompts: PromptBatch, samples: list[dict], gro
         live = [e for e in episodes if not e.done]
         if not live:
             break
-        budget = min(limits.turn_tokens, min(limits.max_total_tokens - len(e.ids) for e in live))
+        # each trajectory's own budget: its turn's tokens, within the room its episode has left (at least one token:
+        # an observation that would leave none ends the episode below), so what else shares the batch never matters
+        budgets = [min(limits.turn_tokens, limits.max_total_tokens - len(e.ids)) for e in live]
         if turn == 0:  # the prompt once per group, G answers from the prompt's own stream: the single-turn sampler
-            out = generate(policy, prompts, group_size, budget, temperature, top_k, top_p,
-                           prompt_seeds=prompt_seeds)
+            out = generate(policy, prompts, group_size, max(budgets), temperature, top_k, top_p,
+                           prompt_seeds=prompt_seeds, on_token=row_budgets(budgets))
         else:
             batch = conversation_batch(policy.processor, prompts, [e.prompt for e in live], [e.ids for e in live],
                                        [e.images for e in live], [e.policy_mask for e in live], turn)
             index = {id(e): i for i, e in enumerate(episodes)}
             turn_seeds = None if prompt_seeds is None else \
                 [turn_seed(seeds[e.prompt], index[id(e)] % group_size, turn) for e in live]
-            out = generate(policy, batch, 1, budget, temperature, top_k, top_p, prompt_seeds=turn_seeds)
+            out = generate(policy, batch, 1, max(budgets), temperature, top_k, top_p, prompt_seeds=turn_seeds,
+                           on_token=row_budgets(budgets))
         for j, e in enumerate(live):
             n = int(out.completion_mask[j].sum())
             ids = out.completion_ids[j, :n].tolist()
@@ -162,9 +183,15 @@ def agent_rollout(policy: Policy, prompts: PromptBatch, samples: list[dict], gro
             if obs.done or turn == limits.max_turns - 1:
                 e.done = True
                 continue
-            sid = str(e.sample.get("id"))
-            obs_ids, images, _ = renderer.observation(obs.content, sid, turn + 1)
-            if len(e.ids) + len(obs_ids) > limits.max_total_tokens or len(e.images) + len(images) > limits.max_images:
+            try:
+                obs_ids, images, _ = renderer.observation(obs.content, str(e.sample.get("id")), turn + 1)
+            except Exception as exc:  # an observation that cannot be shown (a user environment's bad image block)
+                e.done = True  # ends this episode, counted, not the run
+                t["errors"].append("render_error")
+                t["render_error"] = f"{type(exc).__name__}: {exc}"
+                continue
+            # the observation must leave room for at least one more policy token
+            if len(e.ids) + len(obs_ids) >= limits.max_total_tokens or len(e.images) + len(images) > limits.max_images:
                 e.done = e.truncated = True  # the budget ends the episode before the observation is shown
                 t["errors"].append("budget")
                 continue
