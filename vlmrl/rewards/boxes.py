@@ -110,7 +110,7 @@ def _box_scores(
     return scores
 
 
-@register_reward("iou", inline=True)
+@register_reward("iou", inline=True, grades=("box",))
 def iou_reward(
     completions: list[str],
     solution: list[Any],
@@ -135,7 +135,7 @@ def iou_reward(
     return _box_scores(box_iou, completions, solution, dict(columns, coords=coords, threshold=threshold, strict=strict))
 
 
-@register_reward("giou", inline=True)
+@register_reward("giou", inline=True, grades=("box",))
 def giou_reward(
     completions: list[str],
     solution: list[Any],
@@ -229,7 +229,7 @@ def _gold_boxes(solution: Any, coords: str, width: float | None, height: float |
     return boxes if all(box_is_valid(b, width, height, coords) for b in boxes) else None
 
 
-@register_reward("detection", inline=True)
+@register_reward("detection", inline=True, grades=("box",))
 def detection_reward(
     completions: list[str],
     solution: list[Any],

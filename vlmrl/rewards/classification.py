@@ -47,7 +47,7 @@ def named_labels(answer: str, labels: Sequence[str], table: dict[str, str]) -> s
     return found
 
 
-@register_reward("classification", inline=True)
+@register_reward("classification", inline=True, grades=("text", "choice"))
 def classification_reward(
     completions: list[str],
     solution: list[Any],

@@ -25,7 +25,7 @@ def get_client(**options: Any) -> JudgeClient:
         return _CLIENTS[key]
 
 
-@register_reward("judge", inline=True)
+@register_reward("judge", inline=True, grades=("number", "text", "math", "choice", "box"))
 def judge_reward(
     completions: list[str],
     *,

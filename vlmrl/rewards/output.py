@@ -34,6 +34,8 @@ class RewardOutput:
     errors: per component key, the first failure's message (absent when it did not fail).
     failed: bool [N], True where a component with a non-zero weight failed, so `total` is not a score (None: no
         sample failed; `scored()` is the complement either way).
+    graded: per sample, whether a component with a positive weight that grades answers gave it a value; False
+        means only shaping rewards (format, length) or none scored it: nothing paid a right answer.
     """
 
     total: torch.Tensor
@@ -45,6 +47,7 @@ class RewardOutput:
     details: dict[str, list[Any]] = field(default_factory=dict)  # per component: RewardBatch.details
     seconds: dict[str, float] = field(default_factory=dict)  # per component: wall time of its call
     failed: torch.Tensor | None = None
+    graded: list[bool] | None = None  # per sample: a weighted reward that grades answers applied (None: unknown)
 
     def scored(self) -> torch.Tensor:
         """bool [N]: the samples whose total is a score (no weighted component failed)."""
@@ -59,7 +62,8 @@ class RewardOutput:
         return RewardOutput(self.total[rows], {k: [v[i] for i in rows] for k, v in self.components.items()},
                             self.failures, self.no_reward, self.errors, self.extra,
                             {k: [v[i] for i in rows] for k, v in self.details.items()}, self.seconds,
-                            None if self.failed is None else self.failed[rows])
+                            None if self.failed is None else self.failed[rows],
+                            None if self.graded is None else [self.graded[i] for i in rows])
 
     @staticmethod
     def concat(outputs: list[RewardOutput]) -> RewardOutput:
@@ -81,7 +85,8 @@ class RewardOutput:
                             {k: {n: sum(o.extra.get(k, {}).get(n, 0.0) for o in outputs) for n in first.extra[k]}
                              for k in first.extra},
                             {k: [v for o in outputs for v in o.details.get(k, [])] for k in first.details},
-                            summed("seconds"), failed)
+                            summed("seconds"), failed,
+                            None if any(o.graded is None for o in outputs) else [g for o in outputs for g in o.graded])
 
     def metrics(self) -> dict[str, float]:
         """Flat metrics: reward/{key}/mean, /std (population std over non-None values; 0.0 when there are none),

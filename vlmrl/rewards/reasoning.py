@@ -39,7 +39,7 @@ def _mentions(text: str, concepts: Sequence[Any]) -> set[str]:
                                                                                     norm)}
 
 
-@register_reward("keywords", inline=True)
+@register_reward("keywords", inline=True, grades=())
 def keywords_reward(
     completions: list[str],
     *,

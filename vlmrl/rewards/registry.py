@@ -97,15 +97,18 @@ class RewardBatch(list):
         self.details = details
 
 
-def register_reward(name: str, *, inline: bool = False,
-                    requires: dict[str, str] | None = None) -> Callable[[RewardFn], RewardFn]:
+def register_reward(name: str, *, inline: bool = False, requires: dict[str, str] | None = None,
+                    grades: Sequence[str] | None = None) -> Callable[[RewardFn], RewardFn]:
     """Decorator: register `fn` under `name` in REWARDS. Re-registering the same function (a module reload) is
     allowed; a different function under a taken name is a ValueError.
 
     inline=True vouches that `fn` returns in bounded time (no unbounded loops, no blocking call without its own
     time limit), so it may run in the trainer's process without a worker (see the module docstring).
     requires={module: what to install} names the optional packages `fn` imports when called (e.g.
-    {"sacrebleu": "pip install 'vlmrl[text]'"}): `check_specs` raises a ConfigError up front when one is missing."""
+    {"sacrebleu": "pip install 'vlmrl[text]'"}): `check_specs` raises a ConfigError up front when one is missing.
+    grades=(answer types) says which answers `fn` grades, i.e. pays a right one more than a wrong one ("number",
+    "text", "math", "choice", "box"); () marks a shaping reward that grades none (format, length); None (a user
+    reward) is unknown. `vlmrl.rewards.coverage` reads it to refuse a run whose data has answers no reward grades."""
 
     def decorator(fn: RewardFn) -> RewardFn:
         existing = REWARDS.get(name)
@@ -116,9 +119,22 @@ def register_reward(name: str, *, inline: bool = False,
             fn.__vlmrl_inline__ = True  # type: ignore[attr-defined]
         if requires:
             fn.__vlmrl_requires__ = dict(requires)  # type: ignore[attr-defined]
+        if grades is not None:
+            fn.__vlmrl_grades__ = tuple(grades)  # type: ignore[attr-defined]
         return fn
 
     return decorator
+
+
+def answer_type_of(sample: dict) -> str | None:
+    """A sample's answer type as rewards see it (its `answer_type`; multiple choice when it has options)."""
+    kind = sample.get("answer_type")
+    return "choice" if (sample.get("options") or sample.get("choices")) and kind in (None, "text", "choice") else kind
+
+
+def graded_types(fn: RewardFn) -> tuple[str, ...] | None:
+    """The answer types `fn` grades (`register_reward(grades=...)`): () for a shaping reward, None when unknown."""
+    return getattr(fn, "__vlmrl_grades__", None)
 
 
 def missing_requirement(fn: RewardFn, what: str) -> ConfigError | None:
@@ -362,7 +378,9 @@ def compute_rewards(
     module docstring; `pool` defaults to the process-wide "rewards" pool).
 
     total[i] = sum_k weight_k * value_k[i] over components k whose value is not None; 0.0 (and counted in
-    `no_reward`) when there is none; failed[i] when a component with a non-zero weight failed for sample i.
+    `no_reward`) when there is none; failed[i] when a component with a non-zero weight failed for sample i;
+    graded[i] when a component with a positive weight that grades sample i's answer type (not a shaping one such
+    as `length`; see `graded_types`) gave it a value.
     Configuration errors (`check_specs`) raise ConfigError before any reward runs.
     FatalRewardError propagates."""
     resolved = check_specs(specs, columns)
@@ -391,10 +409,14 @@ def compute_rewards(
 
     totals = [0.0] * n
     has_reward = [False] * n
+    graded = [False] * n  # a component with a positive weight that grades this answer type gave the sample a value
+    kinds = [answer_type_of({k: columns[k][i] for k in ("answer_type", "options", "choices") if k in columns})
+             for i in range(n)]
     failed = [False] * n  # a weighted component failed: the total is missing a term (a weight-0 one changes nothing)
     out = RewardOutput(total=None, components={}, failures={}, no_reward=0)  # type: ignore[arg-type]
-    for spec in specs:
+    for spec, fn in resolved:
         result = scored[spec.key]
+        types = graded_types(fn) if spec.weight > 0 else ()
         out.components[spec.key], out.failures[spec.key] = result.values, result.failed
         out.seconds[spec.key] = seconds[spec.key]
         if result.error is not None:
@@ -407,6 +429,7 @@ def compute_rewards(
             if value is not None:
                 totals[i] += spec.weight * value
                 has_reward[i] = True
+                graded[i] = graded[i] or (types is None or kinds[i] is None or kinds[i] in types)
             elif spec.weight != 0 and result.row_failed(i):
                 failed[i] = True
     import torch
@@ -414,4 +437,5 @@ def compute_rewards(
     out.total = torch.tensor(totals, dtype=torch.float32)
     out.failed = torch.tensor(failed, dtype=torch.bool)
     out.no_reward = has_reward.count(False)
+    out.graded = graded
     return out

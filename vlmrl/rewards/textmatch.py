@@ -29,6 +29,7 @@ from vlmrl.rewards.registry import missing_requirement, register_reward
 from vlmrl.rewards.verifiable import _select_answer, is_missing, per_sample
 
 TEXT_EXTRA = "pip install 'vlmrl[text]'"
+TEXT_TYPES = ("text", "number", "math", "choice")  # answers these compare as text (a box is coordinates: iou)
 _ARTICLES = frozenset({"a", "an", "the"})
 _ROUGE_SCORER: Any = None
 
@@ -144,7 +145,7 @@ def _reference_values(solution: Any, reference_column: str, columns: dict[str, A
     return columns[reference_column]
 
 
-@register_reward("exact_match", inline=True)
+@register_reward("exact_match", inline=True, grades=TEXT_TYPES)
 def exact_match_reward(completions: list[Any], solution: list[Any] | None = None, *, reference_column: str = "solution",
                        extract: str = "tag", strict: bool = True, completion_truncated: list[bool] | None = None,
                        **columns: Any) -> list[float | None]:
@@ -155,7 +156,7 @@ def exact_match_reward(completions: list[Any], solution: list[Any] | None = None
                          strict=strict, completion_truncated=completion_truncated)
 
 
-@register_reward("token_f1", inline=True)
+@register_reward("token_f1", inline=True, grades=TEXT_TYPES)
 def token_f1_reward(completions: list[Any], solution: list[Any] | None = None, *, reference_column: str = "solution",
                     extract: str = "tag", strict: bool = True, completion_truncated: list[bool] | None = None,
                     **columns: Any) -> list[float | None]:
@@ -165,7 +166,7 @@ def token_f1_reward(completions: list[Any], solution: list[Any] | None = None, *
                          extract=extract, strict=strict, completion_truncated=completion_truncated)
 
 
-@register_reward("bleu", inline=True, requires={"sacrebleu": TEXT_EXTRA})
+@register_reward("bleu", inline=True, requires={"sacrebleu": TEXT_EXTRA}, grades=TEXT_TYPES)
 def bleu_reward(completions: list[Any], solution: list[Any] | None = None, *, reference_column: str = "solution",
                 extract: str = "tag", strict: bool = True, tokenize: str = "13a", lowercase: bool = False,
                 smooth_method: str = "exp", completion_truncated: list[bool] | None = None,
@@ -181,7 +182,7 @@ def bleu_reward(completions: list[Any], solution: list[Any] | None = None, *, re
                          extract=extract, strict=strict, completion_truncated=completion_truncated)
 
 
-@register_reward("rouge_l", inline=True, requires={"rouge_score": TEXT_EXTRA})
+@register_reward("rouge_l", inline=True, requires={"rouge_score": TEXT_EXTRA}, grades=TEXT_TYPES)
 def rouge_l_reward(completions: list[Any], solution: list[Any] | None = None, *, reference_column: str = "solution",
                    extract: str = "tag", strict: bool = True, completion_truncated: list[bool] | None = None,
                    **columns: Any) -> list[float | None]:

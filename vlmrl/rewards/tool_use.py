@@ -7,7 +7,7 @@ from typing import Any
 from vlmrl.rewards.registry import register_reward
 
 
-@register_reward("tool_use", inline=True)
+@register_reward("tool_use", inline=True, grades=())
 def tool_use_reward(completions: list[str], *, tool_calls: list[int] | None = None,
                     tool_failures: list[int] | None = None, max_calls: int = 2, **_: Any) -> list[float | None]:
     """The tool-use format: 1.0 for an episode that made 1 to `max_calls` tool calls, every one valid (parsed, a

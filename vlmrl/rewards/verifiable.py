@@ -102,7 +102,7 @@ def choice_index(answer: str, options: list[str]) -> int | None:
     return hits[0] if len(hits) == 1 else None
 
 
-@register_reward("accuracy", inline=True)
+@register_reward("accuracy", inline=True, grades=("number", "text", "math", "choice"))
 def accuracy_reward(
     completions: list[str],
     solution: list[Any],
@@ -196,7 +196,7 @@ def accuracy_reward(
     return scores
 
 
-@register_reward("format", inline=True)
+@register_reward("format", inline=True, grades=())
 def format_reward(
     completions: list[str],
     *,
@@ -224,7 +224,7 @@ def format_reward(
     return scores
 
 
-@register_reward("counting", inline=True)
+@register_reward("counting", inline=True, grades=("number",))
 def counting_reward(
     completions: list[str],
     solution: list[Any],
@@ -253,7 +253,7 @@ def counting_reward(
     return scores
 
 
-@register_reward("length", inline=True)
+@register_reward("length", inline=True, grades=())
 def length_penalty(
     completions: list[str],
     *,

@@ -289,6 +289,22 @@ def pass_rate_histogram(correct: list[bool], group_size: int) -> dict[str, float
     return {f"trained_pass_rate/{k}": v / max(len(groups), 1) for k, v in counts.items()}
 
 
+def task_reward_counts(batch: Batch) -> dict[str, float]:
+    """Per task of the batch: `task/<task>/graded_answers`, the answers a weighted reward that grades answers gave a
+    value, and `task/<task>/ungraded_answers`, those only shaping rewards (format, length) or none scored: nothing
+    paid a right answer there (vlmrl.rewards.coverage; under torchrun, the mean over the processes)."""
+    graded = batch.rewards.graded
+    if graded is None:
+        return {}
+    out: dict[str, float] = {}
+    for row, ok in zip(batch.rollout.prompt_index.tolist(), graded, strict=True):
+        task = batch.samples[row].get("task") or "data"
+        for kind in ("graded", "ungraded"):
+            out.setdefault(f"task/{task}/{kind}_answers", 0.0)
+        out[f"task/{task}/{'graded' if ok else 'ungraded'}_answers"] += 1.0
+    return out
+
+
 # -- Stage IV: update -> vlmrl/trainer/update.py ---------------------------------------------------------------------
 def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None,
             markers: dict[str, tuple[str, ...]] | None = None) -> tuple[dict[str, float], dict]:
@@ -321,6 +337,7 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
     if "turns" in rollout.columns:  # multi-turn: tool use, failures, turns and images per episode
         metrics.update(agent_metrics(rollout.columns))
     metrics.update(first.rewards.metrics())
+    metrics.update(task_reward_counts(first))
     metrics.update(batch.stats)
     if not batch.padding:  # (a rank that trained nothing logs nothing about the trained batch)
         metrics.update(pass_rate_histogram(batch.correct, g))

@@ -27,6 +27,7 @@ from vlmrl.models.trainable import configure_training, start_lora
 from vlmrl.optim import adamw
 from vlmrl.preflight import check_device, resolve_model
 from vlmrl.rewards import RewardSpec
+from vlmrl.rewards.coverage import check_coverage
 from vlmrl.rewards.registry import check_specs
 from vlmrl.rewards.specs import budget_warnings, reward_specs
 from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
@@ -39,7 +40,13 @@ from vlmrl.trainer.logger import MetricsLogger, rewind_logs
 from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_decisions
 from vlmrl.trainer.resume import check_resume, find_resume_point, rewind_checkpoints
 from vlmrl.trainer.sft import sft_step
-from vlmrl.trainer.watch import RewardFailureWatch, SignalWatch, TruncationWatch, truncation_warning
+from vlmrl.trainer.watch import (
+    RewardFailureWatch,
+    SignalWatch,
+    TruncationWatch,
+    UngradedWatch,
+    truncation_warning,
+)
 
 
 class Progress:
@@ -210,6 +217,8 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
 
     data = load_datasets(cfg)
     check_specs(rewards, {k for split in (data.train, data.eval) for s in split[:1] for k in s})  # kwargs vs columns
+    if cfg.data.preferences is None:  # every answer type of the RL prompts has a weighted reward that grades it
+        check_coverage(rewards, data.train)
     if cfg.curriculum.order == "easy_to_hard":
         difficulties(data.train)  # a missing difficulty is refused now, not after the SFT warm-start
     run_dir, created = (point.run_dir, False) if point else (None, False)
@@ -300,7 +309,7 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
     """RL steps `first_step`..trainer.steps with their evaluations, rollout gallery and checkpoints. Returns None
     when done, or the step after which a signal stopped the run (its checkpoint written)."""
     cfg, t, ctx = job.cfg, job.cfg.trainer, job.ctx
-    clock, watches = SaveClock(t), (SignalWatch(cfg), TruncationWatch(cfg), RewardFailureWatch(cfg))
+    clock, watches = SaveClock(t), (SignalWatch(cfg), TruncationWatch(cfg), RewardFailureWatch(cfg), UngradedWatch())
     progress.start("rl", t.steps - first_step + 1)
     try:
         for step in range(first_step, t.steps + 1):

@@ -8,7 +8,9 @@ metrics it already has; the streak is also a metric (`no_signal_streak`). When m
 of the last `TruncationWatch.WINDOW` steps were cut at `rollout.max_new_tokens`, the run says that too (once, until
 the share falls again); evaluations warn about their own truncation (`truncation_warning`). When a reward lost
 more than 10% of its values to failures over the last `RewardFailureWatch.WINDOW` steps (a judge that times out, a
-user reward that raises), the run says that too, with the reward's own counters.
+user reward that raises), the run says that too, with the reward's own counters. When a task's answers were scored
+by no weighted reward that grades answers (only `length`/`format`, or nothing: `task/<task>/ungraded_answers`), the
+run names the task once (`UngradedWatch`).
 """
 
 from __future__ import annotations
@@ -161,3 +163,29 @@ class RewardFailureWatch:
         return (f"{where}: reward {key!r} failed on {100 * share:.0f}% of its values ({failed:g} of {total:g}; "
                 f"{effect})" + (f" [{', '.join(counters)}]" if counters else "") +
                 f"; see reward/{key}/* in metrics.jsonl and check it with `vlmrl inspect-reward`")
+
+
+class UngradedWatch:
+    """Feed it each RL step's metrics; `update` names, once per task, a task whose answers no weighted grading reward
+    scored that step (`task/<task>/ungraded_answers` > 0; vlmrl.rewards.coverage): there nothing pays a right
+    answer, and the policy learns only what the shaping rewards pay."""
+
+    def __init__(self):
+        self.warned: set[str] = set()
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        warnings = []
+        for key, ungraded in metrics.items():
+            if not (key.startswith("task/") and key.endswith("/ungraded_answers")) or not ungraded:
+                continue
+            task = key[len("task/"):-len("/ungraded_answers")]
+            if task in self.warned:
+                continue
+            self.warned.add(task)
+            total = ungraded + metrics.get(f"task/{task}/graded_answers", 0.0)
+            warnings.append(f"step {step}: task {task!r}: {ungraded:g} of {total:g} answers were scored by no "
+                            f"weighted reward that grades answers (only shaping rewards such as length, or none), so "
+                            f"nothing paid a right answer there; add a reward for its answer type (docs/rewards.md, "
+                            f"\"Every sample has a reward that applies\"), or check its solutions (a reward gives "
+                            f"None for a solution it cannot parse). Counted in task/{task}/ungraded_answers")
+        return "; ".join(warnings) or None
