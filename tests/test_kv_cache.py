@@ -53,3 +53,31 @@ def test_decoding_inside_the_reserve_writes_in_place():
         layer.update(*states(2, 1, step + 1))
     assert layer.key_buffer is buffer and layer.get_seq_length() == 7
     assert layer.keys.data_ptr() == buffer.data_ptr()  # a view of the buffer, not a copy
+
+
+def test_a_row_select_copies_only_the_filled_columns(monkeypatch):
+    """Issue 41 item 4: selecting rows (answers that split or finished) copies the `length` filled columns into
+    buffers of the same capacity, not the whole reserve, and holds what DynamicLayer holds."""
+    ours, theirs = ReservedLayer(reserve=50), DynamicLayer()
+    for layer in (ours, theirs):
+        layer.update(*states(3, 5, 0))
+        layer.update(*states(3, 1, 1))
+    capacity = ours.key_buffer.shape[-2]
+    copied, select = [], torch.index_select
+
+    def counted(x, dim, index, **kwargs):
+        copied.append(x.shape)
+        return select(x, dim, index, **kwargs)
+
+    monkeypatch.setattr(torch, "index_select", counted)
+    rows = torch.tensor([2, 2, 0, 1])
+    for layer in (ours, theirs):
+        layer.batch_select_indices(rows)
+    monkeypatch.undo()
+    same(ours, theirs)
+    assert copied and all(shape[-2] == 6 for shape in copied)  # keys and values: 6 columns of 55
+    assert ours.key_buffer.shape == (4, 2, capacity, 4) and ours.value_buffer.shape == (4, 2, capacity, 4)
+    for layer in (ours, theirs):  # decoding goes on in place, inside the same reserve
+        layer.update(*states(4, 1, 2))
+    same(ours, theirs)
+    assert ours.keys.data_ptr() == ours.key_buffer.data_ptr()

@@ -221,3 +221,91 @@ def test_equal_answers_are_scored_once_with_the_gradients_of_every_copy(policy, 
         assert (x is None) == (y is None)
         if x is not None:
             assert torch.allclose(x, y, atol=1e-5, rtol=1e-4), (x - y).abs().max()
+
+
+def copy_steps(run) -> tuple[object, list[int]]:
+    """Run `run(on_token)` and return its rollout and the decoding steps t after which the KV cache was copied (a
+    `batch_select_indices` between token t's `on_token` call and token t + 1)."""
+    from transformers.cache_utils import DynamicCache
+
+    seen, copies, select = [], [], DynamicCache.batch_select_indices
+
+    def counted(self, indices):
+        copies.append(len(seen) - 1)
+        return select(self, indices)
+
+    DynamicCache.batch_select_indices = counted
+    try:
+        return run(lambda tokens, alive: seen.append(1)), copies
+    finally:
+        DynamicCache.batch_select_indices = select
+
+
+def split_or_finished_steps(r, share_prefixes: bool) -> list[int]:
+    """The steps t after which the rows of token t + 1 are not the rows of token t: an answer split from its row
+    (sampled another token than its prefix twins) or a row lost its last unfinished answer. Rows are the distinct
+    (prompt, answer so far) with share_prefixes, else the answers (token 0 is decoded on one row per prompt)."""
+    prompts = r.prompt_index.tolist()
+
+    def alive(col: int) -> list[int]:
+        return r.completion_mask[:, col].nonzero().squeeze(1).tolist()
+
+    out = []
+    for t in range(r.completion_ids.shape[1] - 1):
+        if share_prefixes:
+            before = {(prompts[n], tuple(r.completion_ids[n, :t].tolist())) for n in alive(t)}
+            after = {(prompts[n], tuple(r.completion_ids[n, :t + 1].tolist())) for n in alive(t + 1)}
+            same = len(after) == len(before) and {(p, prefix[:-1]) for p, prefix in after} == before
+        elif t == 0:  # one row per prompt becomes one row per answer
+            same = [prompts[n] for n in alive(1)] == list(range(len(set(prompts))))
+        else:
+            same = alive(t + 1) == alive(t)
+        if not same:
+            out.append(t)
+    return out
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(group=st.sampled_from([1, 3, 6]), temperature=st.sampled_from([0.0, 0.7, 1.0]),
+       share=st.booleans(), seed=st.integers(0, 10_000))
+def test_decoding_copies_the_cache_only_on_a_token_where_an_answer_split_or_finished(
+        policy, count_samples, group, temperature, share, seed, monkeypatch):
+    """Issue 41 item 4: the KV cache is copied (`batch_select_indices`) after token t exactly when an answer split
+    from its row or a row finished; the answers and log-probs are bit-identical to copying after every token (the
+    code before the fix)."""
+    import vlmrl.rollout.generate as gen
+
+    prompts = make_prompts(policy, count_samples[:4])
+
+    def run(on_token):
+        return generate(policy, prompts, group, 10, temperature, prompt_seeds=[seed + i for i in range(4)],
+                        on_token=on_token, share_prefixes=share)
+
+    r, copies = copy_steps(run)
+    assert copies == split_or_finished_steps(r, share)
+    with monkeypatch.context() as m:
+        m.setattr(gen, "same_rows", lambda parent, count: False)  # the old loop: a copy after every token
+        old, old_copies = copy_steps(run)
+    assert old_copies == list(range(old.completion_ids.shape[1] - 1))
+    for x, y in zip((r.completion_ids, r.completion_mask, r.logprobs, r.truncated),
+                    (old.completion_ids, old.completion_mask, old.logprobs, old.truncated), strict=True):
+        assert torch.equal(x, y)
+
+
+def test_a_greedy_group_that_never_splits_copies_no_cache(policy, count_samples):
+    """G greedy answers per prompt never split; with the end token out of reach (an empty end set), no row finishes
+    either: not one copy of the KV cache in the whole decode."""
+    prompts = make_prompts(policy, count_samples[:3])
+    policy.eos_token_ids = [-1]
+    r, copies = copy_steps(lambda on_token: generate(policy, prompts, 5, 8, 0.0, on_token=on_token))
+    assert r.completion_ids.shape[1] == 8 and r.truncated.all()
+    assert copies == []
+
+
+def test_rows_are_the_same_only_when_each_row_keeps_one_successor_in_order():
+    from vlmrl.rollout.generate import same_rows
+
+    assert same_rows(torch.tensor([0, 1, 2]), 3)
+    assert not same_rows(torch.tensor([0, 0, 2]), 3)  # row 0 split while row 1 finished: as many rows, not the same
+    assert not same_rows(torch.tensor([0, 2]), 3) and not same_rows(torch.tensor([0, 1, 2, 2]), 3)
+    assert not same_rows(torch.tensor([1, 0, 2]), 3)

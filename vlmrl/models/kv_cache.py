@@ -7,7 +7,9 @@ hands attention a view of the filled columns. The values attention reads are the
 log-probs are identical to `DynamicLayer`'s (tests/test_families.py compares whole rollouts for every family,
 tests/test_kv_cache.py the layers); what goes is the copy.
 
-Used by `generate` (`family.new_cache(reserve=max_new_tokens)`); the training forward keeps `DynamicLayer`, whose
+A row select (answers that split from their row or finished) copies only the filled columns into buffers of the
+same capacity; `generate` selects only on such a token. Used by `generate`
+(`family.new_cache(reserve=max_new_tokens)`); the training forward keeps `DynamicLayer`, whose
 one concatenation per forward costs nothing and whose backward is the plain one.
 """
 
@@ -83,11 +85,26 @@ class ReservedLayer(DynamicLayer):
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._rows(lambda b: b.repeat_interleave(repeats, dim=0))
 
+    def _select(self, indices: torch.Tensor) -> None:
+        """Rows `indices` into new buffers of the same capacity, copying only the filled columns (the reserve holds
+        nothing yet). The old buffers stay alive until the copy is done, so a select briefly holds two caches:
+        `generate` selects only on a token where an answer split or finished. (No autograd through `out=`: this
+        layer is generation's, under no_grad.)"""
+        if self.length:
+            def selected(old: torch.Tensor) -> torch.Tensor:
+                _, h, capacity, d = old.shape
+                new = torch.empty(len(indices), h, capacity, d, dtype=old.dtype, device=old.device)
+                torch.index_select(old[:, :, :self.length], 0, indices.to(old.device), out=new[:, :, :self.length])
+                return new
+
+            self.key_buffer, self.value_buffer = selected(self.key_buffer), selected(self.value_buffer)
+            self._view()
+
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._rows(lambda b: b.index_select(0, indices.to(b.device)))  # a fixed-order backward (`select_rows`)
+        self._select(indices)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._rows(lambda b: b.index_select(0, beam_idx.to(b.device)))
+        self._select(beam_idx)
 
     def offload(self):
         self._rows(lambda b: b.to("cpu", non_blocking=True))

@@ -8,7 +8,8 @@ same way (RL on short answers, late in training) decodes a few rows per prompt i
 runs one row per unfinished answer; both compute the same distributions, up to float rounding in matrix products
 over a different number of rows. The loop records each sampled token's log-probability under the temperature-scaled
 distribution (logits upcast to float32 first) — the same quantity the training forward recomputes; the update
-logs the gap between the two (rollout/logprob_gap_*).
+logs the gap between the two (rollout/logprob_gap_*). The KV cache is copied only on a token where an answer split
+from its row or finished, and then only its filled columns (vlmrl/models/kv_cache.py).
 """
 
 from __future__ import annotations
@@ -116,6 +117,12 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def same_rows(parent: Tensor, count: int) -> bool:
+    """Whether the next step's rows are this step's, in order: no answer split from its row and no row lost its last
+    unfinished answer, so the KV cache needs no copy."""
+    return len(parent) == count and torch.equal(parent, torch.arange(count, device=parent.device))
+
+
 @torch.no_grad()
 def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
@@ -180,8 +187,9 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
             inverse = torch.arange(len(live), device=device)
             parent, step_tok = phys[live], tok[live]
         phys = torch.zeros_like(phys).index_put_((live,), inverse)
-        cache.batch_select_indices(parent)  # (a copy of each kept row's cache, also when no answer split)
-        row_prompt = row_prompt[parent]
+        if not same_rows(parent, len(row_prompt)):  # an answer split or finished: the kept rows' cache, compacted
+            cache.batch_select_indices(parent)
+            row_prompt = row_prompt[parent]
         count = len(row_prompt)
         mask = torch.cat([pe.attention_mask[row_prompt], pe.attention_mask.new_ones(count, t + 1)], dim=1)
         pos = (pe.next_position[row_prompt] + t).view(1, count, 1).expand(3, count, 1)
