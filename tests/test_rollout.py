@@ -1,5 +1,6 @@
 """Generation and the training forward agree; groups stay aligned with their prompts, images and solutions."""
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -309,3 +310,53 @@ def test_rows_are_the_same_only_when_each_row_keeps_one_successor_in_order():
     assert not same_rows(torch.tensor([0, 0, 2]), 3)  # row 0 split while row 1 finished: as many rows, not the same
     assert not same_rows(torch.tensor([0, 2]), 3) and not same_rows(torch.tensor([0, 1, 2, 2]), 3)
     assert not same_rows(torch.tensor([1, 0, 2]), 3)
+
+
+def test_answer_chunks_keep_groups_whole():
+    from vlmrl.rollout.generate import answer_chunks
+
+    assert answer_chunks([3, 1, 4, 2, 5], 0) == [(0, 5)]
+    assert answer_chunks([3, 1, 4, 2, 5], 4) == [(0, 2), (2, 3), (3, 4), (4, 5)]  # the group of 5 is one chunk
+    assert answer_chunks([3, 1, 4, 2, 5], 6) == [(0, 2), (2, 4), (4, 5)]
+    assert answer_chunks([3, 1, 4, 2, 5], 100) == [(0, 5)]
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p,seeded", [(1.0, 0, 1.0, True), (0.7, 3, 1.0, True),
+                                                            (1.3, 0, 0.8, True), (1.0, 5, 0.9, True),
+                                                            (0.0, 0, 1.0, False), (1.0, 0, 1.0, False)])
+def test_sampling_in_chunks_of_answers_is_bit_identical(policy, count_samples, temperature, top_k, top_p, seeded):
+    """Issue 41 item 3: the sampler's [answers, vocab] work runs on at most `chunk_rows` answers at a time (whole
+    groups), and the answers, masks and log-probs are bit-identical to sampling every answer at once: each prompt's
+    stream draws the same numbers in the same order. (Sampling from one shared generator is one draw for all
+    answers: it ignores the chunk.)"""
+    import vlmrl.rollout.generate as gen
+
+    prompts = make_prompts(policy, count_samples[:5])
+    sizes = [3, 1, 4, 2, 5]
+    calls, sample = [], gen.sample_tokens
+
+    def counted(logits, *args, rows=None, **kwargs):
+        calls.append(len(logits) if rows is None else len(rows))
+        return sample(logits, *args, rows=rows, **kwargs)
+
+    def run(chunk_rows):
+        calls.clear()
+        generator = None if seeded else torch.Generator().manual_seed(3)
+        r = generate(policy, prompts, sizes, 8, temperature, top_k, top_p, generator=generator,
+                     prompt_seeds=[11, 12, 13, 14, 15] if seeded else None, chunk_rows=chunk_rows)
+        return r, list(calls)
+
+    gen.sample_tokens = counted
+    try:
+        whole, whole_calls = run(0)
+        for chunk_rows in (1, 4, 6):
+            r, chunk_calls = run(chunk_rows)
+            for x, y in zip((r.completion_ids, r.completion_mask, r.logprobs, r.truncated),
+                            (whole.completion_ids, whole.completion_mask, whole.logprobs, whole.truncated), strict=True):
+                assert torch.equal(x, y), chunk_rows
+            if seeded or temperature == 0:  # at most chunk_rows answers per call, or one whole group
+                assert max(chunk_calls) <= max(chunk_rows, 5) and len(chunk_calls) > len(whole_calls)
+            else:
+                assert chunk_calls == whole_calls
+    finally:
+        gen.sample_tokens = sample

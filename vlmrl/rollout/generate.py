@@ -8,8 +8,15 @@ same way (RL on short answers, late in training) decodes a few rows per prompt i
 runs one row per unfinished answer; both compute the same distributions, up to float rounding in matrix products
 over a different number of rows. The loop records each sampled token's log-probability under the temperature-scaled
 distribution (logits upcast to float32 first) — the same quantity the training forward recomputes; the update
-logs the gap between the two (rollout/logprob_gap_*). The KV cache is copied only on a token where an answer split
-from its row or finished, and then only its filled columns (vlmrl/models/kv_cache.py).
+logs the gap between the two (rollout/logprob_gap_*).
+
+Memory is bounded by a chunk of answers, as the log-prob passes are bounded by a chunk of tokens
+(vlmrl/models/forward.py): each token's float32 log-softmax, top-k/top-p filters and Gumbel noise are built for at
+most `chunk_rows` answers at a time (whole groups, so each prompt's stream draws exactly what it drew unchunked), and
+the KV cache is copied only on a token where an answer split from its row or finished, and then only its filled
+columns (vlmrl/models/kv_cache.py). Both leave the answers and log-probs bit-identical. The language-model head
+still runs on every row of the step at once, in the model's dtype: a matrix product over fewer rows can round
+differently.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from torch import Tensor
 
 from vlmrl.models.batch import ConversationBatch, PromptBatch, concat_prompt_batches
+from vlmrl.models.forward import head_chunk_tokens
 from vlmrl.models.policy import Policy
 
 OnToken = Callable[[Tensor, Tensor], Tensor | None]  # (tokens [N], alive [N]) -> rows to end now, or None
@@ -117,6 +125,21 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def answer_chunks(sizes: list[int], chunk_rows: int) -> list[tuple[int, int]]:
+    """Consecutive prompts (first, end) whose answers together are at most `chunk_rows` (0: all of them), a group
+    never split: a prompt's stream draws its whole group's noise in one call, as it does unchunked. A group larger
+    than `chunk_rows` is a chunk of its own."""
+    if chunk_rows <= 0:
+        return [(0, len(sizes))]
+    chunks, first, rows = [], 0, 0
+    for i, size in enumerate(sizes):
+        if rows and rows + size > chunk_rows:
+            chunks.append((first, i))
+            first, rows = i, 0
+        rows += size
+    return chunks + [(first, len(sizes))] if sizes else [(0, 0)]
+
+
 def same_rows(parent: Tensor, count: int) -> bool:
     """Whether the next step's rows are this step's, in order: no answer split from its row and no row lost its last
     unfinished answer, so the KV cache needs no copy."""
@@ -127,7 +150,7 @@ def same_rows(parent: Tensor, count: int) -> bool:
 def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
              prompt_seeds: list[int] | None = None, on_token: OnToken | None = None,
-             share_prefixes: bool = True) -> Rollout:
+             share_prefixes: bool = True, chunk_rows: int | None = None) -> Rollout:
     """Sample `group_size` completions for every prompt in one batched call (a list: that many for each prompt).
 
     With `prompt_seeds` (one per prompt), each prompt's answers draw their noise from their own random stream, so
@@ -137,6 +160,11 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
     `on_token(tokens, alive)` is called after every decoding step with the sampled tokens [N] and which rows were
     still generating [N] (a finished row's token is padding); it may return a bool [N] of rows to end after this
     token (the server's stop strings, per-request max_tokens, a client gone). The other rows are unaffected.
+
+    `chunk_rows`: answers per sampling chunk (None: `head_chunk_tokens`, 128 MiB of float32 logits per chunk; 0: all
+    at once); any value gives the same answers. Chunks hold whole groups. Sampling at temperature > 0 from the one
+    `generator` (no `prompt_seeds`) draws for all answers at once, as `torch.multinomial` over fewer rows would draw
+    other numbers: its callers bound the rows (eval.batch_size).
     """
     family = policy.family
     sizes = [group_size] * len(prompts) if isinstance(group_size, int) else [int(g) for g in group_size]
@@ -152,20 +180,37 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
     eos = torch.tensor(policy.eos_token_ids, device=device)
     tokens, logps, alive_steps = [], [], []
     alive = torch.ones(n, dtype=torch.bool, device=device)
-    streams, uniform = None, None
+    streams, noise = None, None
     if prompt_seeds is not None and temperature > 0:
         streams = [torch.Generator(device=device).manual_seed(int(s)) for s in prompt_seeds]
     starts = [0]
     for size in sizes:
         starts.append(starts[-1] + size)
+    one_draw = temperature > 0 and streams is None  # torch.multinomial over every answer at once
+    chunk = head_chunk_tokens(family) if chunk_rows is None else chunk_rows
+    chunks = answer_chunks(sizes, 0 if one_draw else chunk)
     for t in range(max_new_tokens):
-        logits = family.lm_head(hidden)
-        if streams is not None:  # (one buffer for the whole loop: refilled each token)
-            uniform = torch.empty(n, logits.shape[-1], device=device) if uniform is None else uniform
-            for i, g in enumerate(streams):  # each prompt's answers from its own stream, written in place
-                torch.rand(sizes[i], logits.shape[-1], generator=g, device=device,
-                           out=uniform[starts[i]:starts[i + 1]])
-        tok, logp = sample_tokens(logits, temperature, top_k, top_p, generator, uniform, rows=phys)
+        logits = family.lm_head(hidden)  # [rows, vocab] in the model's dtype; float32 only chunk by chunk
+        vocab = logits.shape[-1]
+        if streams is not None and noise is None:  # one buffer for the whole loop, refilled chunk by chunk
+            noise = torch.empty(max(starts[b] - starts[a] for a, b in chunks), vocab, device=device)
+        tok, logp = [], []
+        for a, b in chunks:
+            rows, uniform = phys[starts[a]:starts[b]], None
+            if streams is not None:
+                uniform = noise[:len(rows)]
+                for i in range(a, b):  # each prompt's answers from its own stream, written in place
+                    torch.rand(sizes[i], vocab, generator=streams[i], device=device,
+                               out=uniform[starts[i] - starts[a]:starts[i + 1] - starts[a]])
+            if len(chunks) == 1:
+                part = sample_tokens(logits, temperature, top_k, top_p, generator, uniform, rows=rows)
+            else:  # the chunk's own rows of the step (its answers' distinct prefixes)
+                used, inverse = torch.unique(rows, return_inverse=True)
+                part = sample_tokens(logits.index_select(0, used), temperature, top_k, top_p, generator, uniform,
+                                     rows=inverse)
+            tok.append(part[0])
+            logp.append(part[1])
+        tok, logp = (tok[0], logp[0]) if len(chunks) == 1 else (torch.cat(tok), torch.cat(logp))
         tok = torch.where(alive, tok, policy.pad_token_id)
         tokens.append(tok)
         logps.append(torch.where(alive, logp, 0.0))
@@ -179,7 +224,7 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
             break
         # the next rows, and which of them each answer still generating reads (a finished answer reads row 0: its
         # token is padding from here on, whatever that row samples)
-        live, vocab = alive.nonzero().squeeze(1), logits.shape[-1]
+        live = alive.nonzero().squeeze(1)
         if share_prefixes:  # one row per distinct (row, token)
             key, inverse = torch.unique(phys[live] * vocab + tok[live], return_inverse=True)
             parent, step_tok = key // vocab, key % vocab
