@@ -84,7 +84,7 @@ def test_no_cache_while_the_tower_trains_or_without_keys(policy, count_samples):
     fam.prompt_embeds(batch)
     assert fam.vision_calls - before == 9
     freeze(policy, vision=True, projector=True)
-    batch.image_keys = []  # a batch built without keys (multi-turn conversations)
+    batch.image_keys = []  # a batch built without keys
     fam.prompt_embeds(batch)
     fam.prompt_embeds(batch)
     assert fam.vision_calls - before == 15
@@ -128,3 +128,32 @@ def test_lora_keeps_the_base_tower_frozen_so_its_features_are_kept(tiny_model_di
     vision.family.prompt_embeds(batch)
     vision.family.prompt_embeds(batch)
     assert vision.family.vision_calls - before == 6  # adapters in the tower train: no cache
+
+
+def test_a_repeated_image_runs_the_tower_once_per_call_trainable_or_not(policy, count_samples):
+    """A multi-turn batch holds its prompt's image once per trajectory: within one call the tower runs once per
+    distinct image (by key), and the embeddings and the tower's gradients are those of running it on every copy."""
+    fam = policy.family
+    one = prompts(policy, count_samples[:2])
+    batch = concat_prompt_batches([one, one, one], policy.pad_token_id)  # every image three times
+    assert batch.keys_of_images() == one.keys_of_images() * 3 and None not in batch.keys_of_images()
+    keyless = concat_prompt_batches([one, one, one], policy.pad_token_id)
+    keyless.image_keys = []
+
+    def run(b):
+        policy.model.zero_grad(set_to_none=True)
+        before = fam.vision_calls
+        embeds = fam.prompt_embeds(b).embeds
+        (embeds.float() ** 2).sum().backward()
+        grads = {k: p.grad.clone() for k, p in policy.model.named_parameters()
+                 if p.grad is not None and k.startswith(fam.vision_prefixes)}
+        return embeds.detach(), grads, fam.vision_calls - before
+
+    shared, shared_grads, calls = run(batch)
+    plain, plain_grads, plain_calls = run(keyless)
+    assert (calls, plain_calls) == (2, 6)
+    assert torch.equal(shared, plain)  # the same rows (each image's features depend on it alone)
+    assert shared_grads.keys() == plain_grads.keys() and shared_grads
+    for k in shared_grads:  # the copies' gradients summed before the tower instead of after: float32 rounding only
+        scale = plain_grads[k].abs().max().item()
+        assert scale > 0 and (shared_grads[k] - plain_grads[k]).abs().max().item() <= 1e-5 * scale, k

@@ -115,7 +115,8 @@ def conversation_batch(processor: VLProcessor, prompts: PromptBatch, rows: list[
         return [{k: splits[k][i] for k in splits} for i in range(count)]
 
     prompt_images, tail_images = per_image(sub.vision, sub.vision_rows), per_image(extra.vision, extra.vision_rows)
-    seqs, places, ordered, tokens, counts = [], [], [], [], []
+    prompt_keys, tail_keys = sub.keys_of_images(), extra.keys or [None] * len(extra.tokens)
+    seqs, places, ordered, tokens, counts, keys_of = [], [], [], [], [], []
     p_at = t_at = 0
     for i, tail in enumerate(tails):
         real = sub.attention_mask[i].bool()
@@ -126,6 +127,7 @@ def conversation_batch(processor: VLProcessor, prompts: PromptBatch, rows: list[
         n_prompt, n_tail = sub.images_per_prompt[i], len(images[i])
         ordered += prompt_images[p_at:p_at + n_prompt] + tail_images[t_at:t_at + n_tail]
         tokens += sub.image_tokens[p_at:p_at + n_prompt] + extra.tokens[t_at:t_at + n_tail]
+        keys_of += prompt_keys[p_at:p_at + n_prompt] + tail_keys[t_at:t_at + n_tail]
         counts.append(n_prompt + n_tail)
         p_at, t_at = p_at + n_prompt, t_at + n_tail
     width = max(len(s) for s in seqs)
@@ -146,5 +148,5 @@ def conversation_batch(processor: VLProcessor, prompts: PromptBatch, rows: list[
                             f"in the trajectory but its {n} image(s) give {expected} features")
     vision = {k: torch.cat([im[k] for im in ordered]) for k in keys} if ordered else {}
     vision_rows = {k: [len(im[k]) for im in ordered] for k in keys} if ordered else {}
-    return ConversationBatch(list(sub.sample_ids), input_ids, mask, mm, vision, vision_rows, counts, tokens,
+    return ConversationBatch(list(sub.sample_ids), input_ids, mask, mm, vision, vision_rows, counts, tokens, keys_of,
                              completion_tokens=[len(t) for t in tails])

@@ -7,7 +7,9 @@ features the first time they are computed and hands them back after that, exactl
 again (the tower processes images independently: a feature row depends on its own image only).
 
 An image's key is its processor-cache serial (`PromptBatch.image_keys`, vlmrl.models.families.processor.ImageCache):
-a batch built without keys (multi-turn conversations) or with the processor cache off runs the tower as before.
+a batch built without keys or with the processor cache off runs the tower as before. Within one call, the same key
+twice (a multi-turn batch carries its prompt's image once per trajectory) runs the tower once, whether the tower
+trains or not: the copies reuse its rows, and their gradients add up in them.
 The cache checks the tower's weights on every call (the storage and in-place version counter of each vision and
 projector parameter) and starts over when any changed: a loaded checkpoint or an optimizer step on a weight that was
 unfrozen is never served stale features. It applies only where every vision and projector weight is frozen, the
@@ -78,18 +80,27 @@ def frozen_vision_params(family) -> list[Tensor] | None:
 
 
 def cached_image_features(family, batch: PromptBatch) -> tuple[Tensor, dict[str, Tensor], int]:
-    """`family.image_features(batch)`, from `family.vision_cache` where it applies (see the module docstring);
-    returns (rows, extras, images run through the tower)."""
+    """`family.image_features(batch)`, from `family.vision_cache` where it applies (see the module docstring), and
+    with each distinct image run through the tower once per call where the family's rows are per image (a
+    multi-turn batch holds its prompt's image once per trajectory: G copies of the same key); returns (rows,
+    extras, images run through the tower)."""
     cache, keys = family.vision_cache, batch.keys_of_images()
-    params = frozen_vision_params(family) if (family.features_cacheable and cache.max_bytes
-                                              and family.dummy_vision is None
-                                              and any(k is not None for k in keys)) else None
-    if params is None:
+    if not family.features_cacheable:
         feats, extras = family.image_features(batch)
         return feats, extras, len(keys)
-    cache.check_weights(params)
-    found = [cache.get(k) for k in keys]
-    missing = [i for i, f in enumerate(found) if f is None]
+    params = frozen_vision_params(family) if (cache.max_bytes and family.dummy_vision is None
+                                              and any(k is not None for k in keys)) else None
+    if params is not None:
+        cache.check_weights(params)
+    found = [cache.get(k) for k in keys] if params is not None else [None] * len(keys)
+    first: dict[int, int] = {}  # each key's first image still to compute; its copies reuse those rows
+    missing = [i for i, k in enumerate(keys) if found[i] is None and (k is None or first.setdefault(k, i) == i)]
+    if len(missing) == len(keys):  # nothing cached, nothing repeated: the plain call
+        feats, extras = family.image_features(batch)
+        if params is not None:
+            for k, part in zip(keys, feats.split(batch.image_tokens), strict=True):
+                cache.put(k, part.clone())  # a copy: a kept view would keep the whole call's features alive
+        return feats, extras, len(keys)
     if missing:
         vision, vision_rows = batch.select_images(missing)
         # image_features reads the image tensors only (`vision`), so a batch of just the missing images will do
@@ -102,5 +113,7 @@ def cached_image_features(family, batch: PromptBatch) -> tuple[Tensor, dict[str,
                              f"per-prompt extras {sorted(extras)}")
         for i, part in zip(missing, feats.split(sub.image_tokens), strict=True):
             found[i] = part
-            cache.put(keys[i], part.clone())  # a copy: a kept view would keep the whole call's features alive
+            if params is not None:
+                cache.put(keys[i], part.clone())
+    found = [f if f is not None else found[first[k]] for f, k in zip(found, keys, strict=True)]
     return (found[0] if len(found) == 1 else torch.cat(found)), {}, len(missing)
