@@ -571,3 +571,47 @@ def test_an_observation_that_cannot_be_rendered_ends_its_episode_not_the_run(pol
     turn = out.rollout.columns["turns"][0][0]
     assert turn["errors"] == ["render_error"] and turn["render_error"]  # the exception, kept with the turn
     assert agent_metrics(out.rollout.columns)["agent/ended/render_error"] == 1.0
+
+
+def test_on_target_share_by_hand(policy, monkeypatch):
+    """`agent/on_target`: the share of episodes whose first zoom has IoU >= 0.5 with the sample's target cell (the
+    tool environment knows it); an episode that never zoomed counts as off target. The gallery says which."""
+    samples = make_task("zoom_shape", 4, "train", seed=0)
+    target = [int(float(v)) for v in samples[0]["target_box"].strip("[]").split(",")]
+    off = [0, 0, 112, 112] if target != [0, 0, 112, 112] else [112, 0, 224, 112]
+    zoom = '<tool_call>{"name":"zoom","arguments":{"box":%s}}</tool_call>'
+    on_msg, off_msg = zoom % json_list(target), zoom % json_list(off)
+    # episodes of sample 0: on target, off target, no zoom at all, and on target; each then answers
+    scripted(monkeypatch, policy, {0: [on_msg, off_msg, ANSWER, on_msg], 1: [ANSWER, ANSWER, ANSWER]})
+    chosen = samples[:1]
+    out = agent_rollout(policy, make_prompts(policy, chosen), chosen, 4,
+                        AgentLimits(max_turns=3, turn_tokens=64, max_total_tokens=600, max_images=3), BUILTIN_TOOLS,
+                        tool_env, 1.0, max_pixels=112 * 112)
+    firsts = [[t.get("on_target") for t in ep] for ep in out.rollout.columns["turns"]]
+    assert firsts == [[True, None], [False, None], [None], [True, None]]
+    assert agent_metrics(out.rollout.columns)["agent/on_target"] == 0.5  # 2 of 4 episodes
+    from vlmrl.eval.report import turns_html
+    from vlmrl.eval.runs import Run
+
+    shown = [[{**t, "images": []} for t in ep] for ep in out.rollout.columns["turns"][:2]]  # (no image files here)
+    page = turns_html(Run.__new__(Run), {"turns": shown}, None)
+    assert page.count("· on target") == 1 and page.count("· off target") == 1
+
+
+def json_list(box: list[int]) -> str:
+    return "[" + ",".join(str(v) for v in box) + "]"
+
+
+def test_noisy_demonstrations_zoom_elsewhere_on_the_same_boards():
+    clean = make_task("zoom_shape", 300, "train", seed=0)
+    noisy = make_task("zoom_shape", 300, "train", seed=0, demo_on_target=0.5)
+    assert [s["images"][0].tobytes() for s in clean[:5]] == [s["images"][0].tobytes() for s in noisy[:5]]
+    assert [s["solution"] for s in clean] == [s["solution"] for s in noisy]
+    on = [n["demonstration"] == c["demonstration"] for c, n in zip(clean, noisy, strict=True)]
+    assert 0.4 < sum(on) / len(on) < 0.6  # about half zoom on the target cell
+    for c, n, hit in zip(clean, noisy, on, strict=True):
+        assert n["demonstration"][1] == c["demonstration"][1]  # the answer stays right
+        if not hit:  # another whole cell
+            assert n["demonstration"][0].startswith('<tool_call>{"name":"zoom"')
+    with pytest.raises(DataError, match="demo_on_target"):
+        make_task("zoom_shape", 2, "train", seed=0, demo_on_target=1.5)

@@ -26,6 +26,9 @@ class Observation:
     done: bool = False
     reward: float | None = None
     tool_results: list[ToolResult] = field(default_factory=list)
+    # what the environment knows about this turn, kept with the turn (e.g. `on_target`: the zoom box covers the
+    # sample's `target_box`); the agent metrics report the share of episodes whose first value is true
+    info: dict = field(default_factory=dict)
 
 
 class Environment(Protocol):
@@ -49,7 +52,21 @@ class ToolEnvironment:
         content: list[dict] = []
         for r in results:
             content += r.content
-        return Observation(content, tool_results=results)
+        return Observation(content, tool_results=results, info=target_info(self.sample, results))
+
+
+def target_info(sample: dict, results: list[ToolResult]) -> dict:
+    """`{"on_target": bool}` for a turn whose first working call looks at a region (`box`) of a sample that names
+    its `target_box` (the zoom task): the region's IoU with the target is at least 0.5. Empty otherwise."""
+    target = sample.get("target_box")
+    box = next((r.arguments["box"] for r in results if r.ok and r.arguments and "box" in r.arguments), None)
+    if target is None or box is None:
+        return {}
+    from vlmrl.rewards.boxes import box_iou
+    from vlmrl.rewards.parsing import parse_boxes
+
+    truth = parse_boxes(target) if isinstance(target, str) else [tuple(float(v) for v in target)]
+    return {"on_target": bool(truth) and box_iou(tuple(float(v) for v in box), truth[0]) >= 0.5}
 
 
 def tool_environment(sample: dict, tools: dict[str, Tool], context: ToolContext) -> ToolEnvironment:

@@ -97,6 +97,11 @@ def agent_metrics(columns: dict[str, list]) -> dict[str, float]:
            "tool/invalid_rate": failures / max(calls, 1),
            "agent/turns_per_episode": sum(len(ep) for ep in turns) / n,
            "agent/images_per_episode": sum(len(t["images"]) for ep in turns for t in ep) / n}
+    # the share of episodes whose first turn that says so looked at the target (the zoom task: IoU >= 0.5 with the
+    # sample's target_box); an episode that never looked anywhere counts as off target
+    firsts = [next((t["on_target"] for t in ep if "on_target" in t), None) for ep in turns]
+    if any(f is not None for f in firsts):
+        out["agent/on_target"] = sum(bool(f) for f in firsts) / n
     out.update({f"agent/ended/{k}": float(v) for k, v in sorted(errors.items()) if k in ENDINGS})
     out.update({f"tool/failures/{k}": float(v) for k, v in sorted(errors.items())
                 if k not in ENDINGS})
@@ -176,6 +181,7 @@ def agent_rollout(policy: Policy, prompts: PromptBatch, samples: list[dict], gro
             obs = _step_env(e, out.texts[j])
             t = e.turns[-1]
             t["tool_calls"] = [r.name for r in obs.tool_results]
+            t.update(obs.info)  # what the environment knows of this turn (e.g. on_target)
             t["tool_failures"] = sum(not r.ok for r in obs.tool_results)
             t["errors"] += [r.error for r in obs.tool_results if not r.ok]
             if obs.reward is not None:

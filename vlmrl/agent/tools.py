@@ -66,6 +66,7 @@ class ToolResult:
     content: list[dict]
     ok: bool
     error: str | None = None  # "parse", "unknown_tool", "arguments", "raised", "timeout"
+    arguments: dict | None = None  # the arguments of a call that passed its schema
 
 
 def parse_calls(message: str) -> list[str]:
@@ -144,7 +145,7 @@ def call_tool(payload: str, tools: dict[str, Tool], context: ToolContext) -> Too
         return _failure(name, "timeout", f"{name} did not finish within {tool.timeout:g} s")
     if "error" in outcome:
         return _failure(name, "raised", f"{name} failed: {outcome['error']}")
-    return ToolResult(name, outcome["value"], True)
+    return ToolResult(name, outcome["value"], True, arguments=arguments)
 
 
 def run_calls(message: str, tools: dict[str, Tool], context: ToolContext) -> list[ToolResult]:

@@ -20,7 +20,7 @@ from PIL import Image, ImageDraw
 
 from .sample import DataError, Sample, check_split, format_box, is_held_out, option_tag, resolve_options, task_rng
 
-ZOOM_OPTIONS: dict[str, Any] = {"grid": 3, "cell": 112, "shape_px": (24, 36)}
+ZOOM_OPTIONS: dict[str, Any] = {"grid": 3, "cell": 112, "shape_px": (24, 36), "demo_on_target": 1.0}
 SHAPES = ("circle", "square", "triangle")
 PROBLEM = "What shape is in the blue cell?"
 BACKGROUND, TINT, INK = (255, 255, 255), (90, 150, 255), (20, 20, 20)  # the tint far from white in luminance
@@ -62,18 +62,25 @@ def vocabulary(grid: int = 3, cell: int = 112) -> list[str]:
 def zoom_shape(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample]:
     """ "What shape is in the blue cell?" -> ``"triangle"`` (answer_type text); see the module docstring.
 
-    Options: ``grid`` (cells per side), ``cell`` (px), ``shape_px`` ([min, max] shape size in px)."""
+    Options: ``grid`` (cells per side), ``cell`` (px), ``shape_px`` ([min, max] shape size in px),
+    ``demo_on_target`` (the share of demonstrations that zoom on the target cell; the others zoom on another cell,
+    drawn uniformly, and still answer right: an SFT start that finds the cell only by chance, for RL to teach where
+    to look). The boards do not depend on ``demo_on_target``: the same seed gives the same boards for every share."""
     task = "zoom_shape"
     check_split(task, split)
     opts = resolve_options(task, options, ZOOM_OPTIONS)
     grid, cell, (lo, hi) = int(opts["grid"]), int(opts["cell"]), opts["shape_px"]
+    on_target = float(opts["demo_on_target"])
+    if not 0.0 <= on_target <= 1.0:
+        raise DataError(f"task {task!r}: demo_on_target is a share in [0, 1], got {on_target}")
     if grid < 2 or not 2 <= lo <= hi <= cell - 4:
         raise DataError(f"task {task!r}: need grid >= 2 and 2 <= shape_px[0] <= shape_px[1] <= cell - 4; got "
                         f"grid={grid}, cell={cell}, shape_px={list(opts['shape_px'])}")
     tag = option_tag(options, ZOOM_OPTIONS)
+    board_tag = option_tag({k: v for k, v in options.items() if k != "demo_on_target"}, ZOOM_OPTIONS)
     samples = []
     for index in range(n):
-        rng = task_rng(task, split, seed, tag, index)
+        rng = task_rng(task, split, seed, board_tag, index)
         for _ in range(1000):
             target = rng.randrange(grid * grid)
             shapes = []
@@ -89,10 +96,15 @@ def zoom_shape(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample
             raise DataError(f"task {task!r}: found no {split} board in 1000 draws")
         box = cell_box(target, grid, cell)
         answer = shapes[target][0]
+        looked = box
+        if on_target < 1.0:  # a demonstration that zooms elsewhere, from a stream of its own (boards unchanged)
+            demo_rng = task_rng(task, split, seed, f"{tag}/demo", index)
+            if demo_rng.random() >= on_target:
+                looked = cell_box(demo_rng.choice([i for i in range(grid * grid) if i != target]), grid, cell)
         samples.append({
             "id": f"{task}{tag}/{split}/{index}", "images": [render_board(grid, cell, target, shapes)],
             "problem": PROBLEM, "solution": answer, "answer_type": "text", "task": task,
             "target_box": format_box(box), "width": grid * cell, "height": grid * cell,
-            "demonstration": [tool_call("zoom", {"box": box}), f"<answer>{answer}</answer>"],
+            "demonstration": [tool_call("zoom", {"box": looked}), f"<answer>{answer}</answer>"],
         })
     return samples

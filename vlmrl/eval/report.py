@@ -211,13 +211,16 @@ def gallery_html(run: Run, out: Path) -> str:
 
 def turns_html(run: Run, entry: dict, out: Path, answers: int = 2) -> str:
     """The first `answers` episodes of a multi-turn gallery entry: each turn's message, its tool calls and failures,
-    and the images the tools returned ("" for a single-turn entry)."""
+    whether its call looked at the target (where the environment knows one) and the images the tools returned ("" for
+    a single-turn entry)."""
     parts = []
     for a, episode in enumerate((entry.get("turns") or [])[:answers]):
         rows = []
         for i, t in enumerate(episode):
             calls = ", ".join(t.get("tool_calls") or []) or "none"
             errors = f" (failed: {', '.join(t['errors'])})" if t.get("errors") else ""
+            if "on_target" in t:  # the environment's word on where the call looked (the zoom task)
+                errors += " · on target" if t["on_target"] else " · off target"
             imgs = "".join(_image(run, ref, out, "gallery", f"{run.name}-{Path(str(ref)).stem}",
                                   f"tool image, answer {a + 1}, turn {i + 1}") for ref in t.get("images") or [])
             rows.append(f"<li>turn {i + 1}: <code>{html.escape(str(t.get('text', '')))}</code> "
