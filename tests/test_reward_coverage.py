@@ -109,3 +109,27 @@ def test_answers_no_weighted_reward_graded_are_counted_per_task_and_warned_about
     assert len(warnings) == 1 and warnings[0].startswith("warning: step 1: task 'shapes_box': 8 of 8 answers were "
                                                          "scored by no weighted reward that grades answers")
     assert any("task 'shapes_box'" in note for note in summary["notes"])
+
+
+def test_a_mixed_file_trained_with_the_defaults_is_graded_on_every_answer_type(tmp_path, monkeypatch, capsys):
+    """Issue 42: number, word and box answers in one user file, `vlmrl train` with its defaults (the quickstart's
+    accuracy + length). The labels do not fit max_new_tokens=12: refused, nothing left behind; rerun with the value
+    the refusal names: every answer of every task is graded (accuracy pays a box with IoU >= 0.5), no warning."""
+    monkeypatch.chdir(tmp_path)
+    spec = mixed_file(tmp_path)
+    args = ["train", f"data.train={spec}", f"data.sft={spec}", f"data.eval={spec}", *SMALL, "trainer.steps=2",
+            "rollout.prompts_per_step=12"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    need = re.search(r"set rollout.max_new_tokens=(\d+) or more", err)
+    assert need and not (tmp_path / "runs").exists(), err
+    budget = need.group(1)
+    assert main([*args, f"rollout.max_new_tokens={budget}", f"eval.max_new_tokens={budget}"]) == 0
+    err = capsys.readouterr().err
+    assert "ungraded" not in err and "max_length" not in err, err
+    rows = [json.loads(x) for x in (tmp_path / "runs" / "quickstart" / "metrics.jsonl").read_text().splitlines()]
+    for step in [r for r in rows if r["phase"] == "train"]:
+        for task in TASKS:  # every answer of every task scored by accuracy (a box by IoU)
+            assert step[f"task/{task}/graded_answers"] >= 2 and step[f"task/{task}/ungraded_answers"] == 0
+        answers = sum(step[f"task/{task}/graded_answers"] for task in TASKS)
+        assert step["reward/accuracy/count"] == answers == step["reward/length/count"]

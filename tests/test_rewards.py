@@ -100,11 +100,16 @@ def test_accuracy_text():
     assert graded("...", "...", "text") is None  # a solution that normalises to nothing is bad data: not graded
 
 
-def test_accuracy_answer_type_inferred_box_none_and_lists():
+def test_accuracy_answer_type_inferred_box_by_iou_and_lists():
     completions = ["<answer>5</answer>", "<answer>Red</answer>", "<answer>[0, 0, 1, 1]</answer>", "<answer>b</answer>"]
     solutions = ["5.0", "red", "[0, 0, 1, 1]", ["a", "B"]]
     assert accuracy_reward(completions, solutions) == [1.0, 1.0, 1.0, 1.0]  # the box string compared as text
-    assert accuracy_reward(completions, solutions, answer_type=["number", "text", "box", "text"]) == [1, 1, None, 1]
+    assert accuracy_reward(completions, solutions, answer_type=["number", "text", "box", "text"]) == [1, 1, 1, 1]
+    # a box pays by IoU >= iou_threshold (0.5): [0,0,10,10] vs [0,0,10,8] is 0.8, vs [0,0,10,4] is 0.4
+    boxes = ["<answer>[0, 0, 10, 8]</answer>", "<answer>[0, 0, 10, 4]</answer>", "[0, 0, 10, 10]", "<answer>[0]</answer>"]
+    assert accuracy_reward(boxes, ["[0, 0, 10, 10]"] * 4, answer_type="box") == [1.0, 0.0, 0.0, 0.0]  # strict
+    assert accuracy_reward(boxes[:2], ["[0, 0, 10, 10]"] * 2, answer_type="box", iou_threshold=0.3) == [1.0, 1.0]
+    assert accuracy_reward(boxes[:1], ["not a box"], answer_type="box") == [None]  # bad data: not graded
     assert accuracy_reward(["<answer>5</answer>"], ["five"], answer_type="number") == [None]  # bad data: not graded
 
 
@@ -265,13 +270,13 @@ def test_compute_rewards_weights_and_none():
     specs = [RewardSpec("accuracy", 1.0), RewardSpec("format", 0.5), RewardSpec("iou", 2.0)]
     out = compute_rewards(specs, completions, columns)
     assert out.components == {
-        "accuracy": [1.0, 0.0, None],
+        "accuracy": [1.0, 0.0, 1.0],  # a box pays accuracy by IoU >= 0.5
         "format": [1.0, 0.0, 1.0],
         "iou": [None, None, 1.0],
     }
-    # 1 + 0.5 ; 0 + 0 ; 0.5 + 2
+    # 1 + 0.5 ; 0 + 0 ; 1 + 0.5 + 2
     assert out.total.dtype == torch.float32
-    assert out.total.tolist() == [1.5, 0.0, 2.5]
+    assert out.total.tolist() == [1.5, 0.0, 3.5]
     assert out.no_reward == 0
     assert out.failures == {"accuracy": 0, "format": 0, "iou": 0}
 

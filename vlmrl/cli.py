@@ -103,7 +103,7 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     from vlmrl.config import load_config
     from vlmrl.data import build_dataset
-    from vlmrl.eval.generative import evaluate
+    from vlmrl.eval.generative import Solved, evaluate
     from vlmrl.eval.tables import eval_table
     from vlmrl.models import load_policy
     from vlmrl.preflight import check_device, resolve_model
@@ -125,6 +125,7 @@ def cmd_eval(args) -> int:
         print(f"{report.path}: skipped {report.skipped} bad rows", file=sys.stderr)
     policy = load_policy(ckpt, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels)
     rewards = reward_specs(cfg)
+    solved = Solved.from_config(cfg)  # what training counted as right
     results, full, evaluations = {}, {}, []
     progress = BarProgress()
     from vlmrl.agent import AgentSpec
@@ -136,7 +137,8 @@ def cmd_eval(args) -> int:
                        batch_size=cfg.eval.batch_size, template=cfg.data.prompt_template,
                        max_prompt_length=cfg.data.max_prompt_length, rewards=rewards, seed=cfg.trainer.seed,
                        progress=progress.advance, n=args.samples, ks=args.k or cfg.eval.pass_k,
-                       reflection_words=cfg.eval.reflection_words, backtracking_words=cfg.eval.backtracking_words)
+                       reflection_words=cfg.eval.reflection_words, backtracking_words=cfg.eval.backtracking_words,
+                       solved=solved)
         progress.end()
         key, budget = ("agent.turn_tokens", cfg.agent.turn_tokens) if agent else \
             ("eval.max_new_tokens", cfg.eval.max_new_tokens)

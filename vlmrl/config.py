@@ -177,6 +177,17 @@ class RewardConfig:
 
 
 @section
+class SolvedConfig:
+    # what counts as a solved answer: `reward`'s value >= `threshold`. One definition for the logged `accuracy`, the
+    # curriculum's pass rates and filters, the pass-rate histogram and held-out accuracy (docs/rewards.md, "One
+    # definition of correct"). `reward`: a component of `rewards` (its label or name, with its options), else a
+    # registered reward with its defaults. The default pays a right number, text, math or choice answer and a box
+    # with IoU >= 0.5 (`accuracy`)
+    reward: Name = "accuracy"
+    threshold: float = 1.0
+
+
+@section
 class CurriculumConfig:
     # which prompts each RL step draws (docs/training.md): "random" = shuffled passes over data.train; "easy_to_hard" =
     # uniformly from the easiest share of prompts by their `difficulty` column, the share growing linearly from
@@ -290,6 +301,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig("accuracy", 1.0)])
+    solved: SolvedConfig = field(default_factory=SolvedConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     control: ControlConfig = field(default_factory=ControlConfig)

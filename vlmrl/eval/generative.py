@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from vlmrl.agent.rollout import agent_metrics
+from vlmrl.errors import ConfigError
 from vlmrl.eval.metrics import (
     ReflectionCounts,
     accuracy_interval,
@@ -34,17 +36,46 @@ from vlmrl.eval.metrics import (
 )
 from vlmrl.eval.reasoning import chain_counts, chain_ratios, compute_metrics, reasoning_tokens, token_counter
 from vlmrl.models.policy import Policy
-from vlmrl.rewards import REWARDS, RewardSpec, compute_rewards
+from vlmrl.rewards import REWARDS, RewardOutput, RewardSpec, compute_rewards
+from vlmrl.rewards.specs import reward_specs
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import generate
 
 
-def correctness(completions: list[str], columns: dict[str, list], iou_threshold: float = 0.5) -> list[bool]:
-    """Whether each answer is right: strict `accuracy` for numbers and text, IoU >= threshold for boxes."""
-    acc = REWARDS["accuracy"](completions, **columns)
-    iou = REWARDS["iou"](completions, **columns)
-    return [bool((a if a is not None else 0.0) >= 1.0) if (i is None) else bool(i >= iou_threshold)
-            for a, i in zip(acc, iou, strict=True)]
+@dataclass(frozen=True)
+class Solved:
+    """What counts as a solved answer (the recipe's `solved` section): the value of the reward component `spec`
+    >= `threshold`. The default is the built-in `accuracy` at 1.0: a right number, text, math or choice answer, and
+    a box with IoU >= 0.5."""
+
+    spec: RewardSpec = field(default_factory=lambda: RewardSpec("accuracy"))
+    threshold: float = 1.0
+
+    @classmethod
+    def from_config(cls, cfg) -> Solved:
+        """`cfg.solved.reward` as the recipe's component of that key (with its options), else a registered reward
+        with its defaults; an unknown name is a ConfigError listing the recipe's components."""
+        name = cfg.solved.reward
+        spec = next((s for s in reward_specs(cfg) if s.key == name), None)
+        if spec is None:
+            if name not in REWARDS:
+                keys = ", ".join(s.key for s in reward_specs(cfg))
+                raise ConfigError(f"solved.reward={name!r} is neither a component of rewards ({keys}) nor a "
+                                  f"registered reward; name the component whose value says an answer is solved")
+            spec = RewardSpec(name)
+        return cls(spec, cfg.solved.threshold)
+
+
+def correctness(completions: list[str], columns: dict[str, list], solved: Solved | None = None,
+                scores: RewardOutput | None = None) -> list[bool]:
+    """Whether each answer is solved (`Solved`: the named component's value >= its threshold; a None or failed value
+    is not). `scores`: the batch's rewards, when already computed with the component in them (it is not scored
+    again)."""
+    solved = solved or Solved()
+    key = solved.spec.key
+    if scores is None or key not in scores.components:
+        scores = compute_rewards([solved.spec], completions, columns)
+    return [v is not None and v >= solved.threshold for v in scores.components[key]]
 
 
 def summarize(records: list[dict], ks: Sequence[int]) -> dict[str, float | None]:
@@ -85,14 +116,15 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
              rewards: list[RewardSpec] | None = None, seed: int = 0,
              progress: Callable[..., None] | None = None, n: int = 1, ks: Sequence[int] = (),
              reflection_words: Sequence[str] | None = None, backtracking_words: Sequence[str] | None = None,
-             agent=None) -> dict:
+             agent=None, solved: Solved | None = None) -> dict:
     """`n` answers per held-out sample at `temperature` (0 = greedy, which always takes n = 1: its answers are equal).
 
     `batch_size` counts answers per generation call (prompts per call = batch_size // n). `ks`: the pass@k values to
     report (pass@1 always; k > n is skipped). `reflection_words` / `backtracking_words`: the marker word lists (None:
     the defaults in vlmrl.eval.metrics). With `agent` (vlmrl.agent.AgentSpec) each answer is a multi-turn episode
     with tools; the metrics then add its tool use (tool/call_rate, tool/invalid_rate, agent/turns_per_episode, ...)
-    and each record its turns. Returns {"metrics": flat scalars, "per_task": {task: metrics},
+    and each record its turns. `solved` says which answers are right (default: `accuracy`, a box by IoU >= 0.5),
+    as in training. Returns {"metrics": flat scalars, "per_task": {task: metrics},
     "reflection" and "backtracking": {"ratios", "counts", "words"}, "records": one per sample, in sample order}.
     """
     if not samples:
@@ -122,11 +154,11 @@ def evaluate(policy: Policy, samples: list[dict], *, temperature: float = 0.0, m
         columns["completion_truncated"] = rollout.truncated.tolist()
         columns["completion_lengths"] = rollout.lengths.tolist()
         columns.update(rollout.columns)
-        ok = correctness(rollout.texts, columns)
+        scores = compute_rewards(rewards, rollout.texts, columns) if rewards else None
+        ok = correctness(rollout.texts, columns, solved, scores)
         flags = {name: counts.add(rollout.texts, ok) for name, counts in markers.items()}
         totals, components = None, {}
-        if rewards:
-            scores = compute_rewards(rewards, rollout.texts, columns)
+        if scores is not None:
             scored = scores.scored().tolist()
             failed += scored.count(False)  # a failed reward is not a score: left out, counted
             totals = [t if s else None for t, s in zip(scores.total.tolist(), scored, strict=True)]

@@ -102,7 +102,7 @@ def choice_index(answer: str, options: list[str]) -> int | None:
     return hits[0] if len(hits) == 1 else None
 
 
-@register_reward("accuracy", inline=True, grades=("number", "text", "math", "choice"))
+@register_reward("accuracy", inline=True, grades=ANSWER_TYPES)
 def accuracy_reward(
     completions: list[str],
     solution: list[Any],
@@ -117,9 +117,15 @@ def accuracy_reward(
     options: list[Any] | None = None,
     choices: list[Any] | None = None,
     completion_truncated: list[bool] | None = None,
+    iou_threshold: float = 0.5,
+    coords: str = "absolute",
+    width: list[Any] | None = None,
+    height: list[Any] | None = None,
     **_: Any,
 ) -> list[float | None]:
-    """1.0 if the extracted answer equals `solution`, else 0.0; None for answer_type "box" (see `iou`).
+    """1.0 if the extracted answer equals `solution`, else 0.0; for answer_type "box", 1.0 if the answer's one box
+    has IoU >= `iou_threshold` with the solution box (`iou`, with the same `strict`; `coords`, `width`/`height`
+    as there), so a right box pays as a right number does.
 
     Extraction (`extract`): "tag" = the LAST `<answer>...</answer>` outside `<think>` blocks (a draft answer in the
     reasoning does not count), "boxed" = the last `\\boxed{}`, "last_line", "auto" = tag, then boxed, then last line.
@@ -149,6 +155,7 @@ def accuracy_reward(
     option_lists = per_sample(options if options is not None else choices, n, None)
     scores: list[Any] = []
     symbolic_jobs: list[tuple[int, list[tuple[str, str]]]] = []
+    box_rows: list[int] = []
     for i, (completion, sol, kind, trunc, opts) in enumerate(
         zip(completions, solution, kinds, truncated, option_lists, strict=True)
     ):
@@ -157,6 +164,7 @@ def accuracy_reward(
         if kind not in ANSWER_TYPES:
             raise ValueError(f"answer_type={kind!r}: expected one of {ANSWER_TYPES}")
         if kind == "box":
+            box_rows.append(i)
             scores.append(None)
             continue
         targets = [t for t in (sol if isinstance(sol, (list, tuple)) else [sol]) if not is_missing(t)]
@@ -182,6 +190,16 @@ def accuracy_reward(
                 if not ok and symbolic:
                     symbolic_jobs.append((i, [(answer, str(t)) for t in targets]))
             scores.append(None if not values else float(ok))
+    if box_rows:  # IoU >= iou_threshold, scored by `iou` (here: boxes.py imports this module)
+        from vlmrl.rewards.boxes import iou_reward
+
+        rows = lambda column: [column[i] for i in box_rows] if column is not None else None  # noqa: E731
+        boxes = iou_reward([completions[i] for i in box_rows], rows(list(solution)), coords=coords,
+                           threshold=iou_threshold, strict=strict, answer_type=["box"] * len(box_rows),
+                           width=rows(per_sample(width, n, None)), height=rows(per_sample(height, n, None)),
+                           completion_truncated=rows(truncated))
+        for i, value in zip(box_rows, boxes, strict=True):
+            scores[i] = value
     if symbolic_jobs:
         from vlmrl.rewards.mathcheck import symbolic_equal_many
 

@@ -16,6 +16,7 @@ from vlmrl.agent import AgentSpec
 from vlmrl.config import Config
 from vlmrl.data import build_dataset
 from vlmrl.errors import ConfigError
+from vlmrl.eval.generative import Solved
 from vlmrl.eval.metrics import marker_sets
 from vlmrl.models.policy import Policy
 from vlmrl.models.reference import Reference
@@ -207,7 +208,8 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
             critic.load_state_dict(resume_state["critic"])
     ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, algo, t, d.prompt_template,
                       d.max_prompt_length, reference, critic, generator, dist=dist_info,
-                      forward=forward, agent=AgentSpec.from_config(cfg.agent, policy.processor))
+                      forward=forward, agent=AgentSpec.from_config(cfg.agent, policy.processor),
+                      solved=Solved.from_config(cfg))
     if cfg.curriculum.active:
         position = {id(sample): i for i, sample in enumerate(train_set)}
         ctx.observe = lambda sample, correct: stream.observe(position[id(sample)], correct)

@@ -105,7 +105,8 @@ def collect_and_score(ctx: StepContext, samples: list[dict], round_index: int = 
     mine = samples[start:stop]
     prompts, rollout = collect(ctx, mine, round_index=round_index, offset=start)
     rewards, columns = score(ctx, mine, rollout)
-    batch = Batch(mine, prompts, rollout, rewards, columns, correct=correctness(rollout.texts, columns))
+    batch = Batch(mine, prompts, rollout, rewards, columns, correct=correctness(rollout.texts, columns, ctx.solved,
+                                                                                 rewards))
     if ctx.observe is not None:  # the curriculum's pass rates: every generated group, resampling rounds included
         correct, g = gather_lists(batch.correct, ctx.dist), ctx.rollout.group_size
         for i, s in enumerate(samples):

@@ -19,7 +19,7 @@ from vlmrl.agent.tools import TOOL_TOKENS
 from vlmrl.config import Config, save_config, to_dict, validate
 from vlmrl.data import vocabulary_texts
 from vlmrl.errors import VlmrlError
-from vlmrl.eval.generative import evaluate
+from vlmrl.eval.generative import Solved, evaluate
 from vlmrl.eval.samples import EVAL_SAMPLES, write_samples
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
@@ -64,17 +64,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def claim_run_dir(path: str | Path) -> tuple[Path, bool]:
-    """(`path`, or `path-2`, `path-3`, ... if it exists and is not empty, whether this call created it): earlier runs
-    are never overwritten."""
+def claim_run_dir(path: str | Path) -> tuple[Path, Path | None]:
+    """(`path`, or `path-2`, `path-3`, ... if it exists and is not empty; the outermost folder this call created, or
+    None when the folder existed, empty): earlier runs are never overwritten."""
     path = Path(path)
     candidate, k = path, 1
     while candidate.exists() and any(candidate.iterdir()):
         k += 1
         candidate = path.with_name(f"{path.name}-{k}")
-    created = not candidate.exists()
+    top = next((p for p in [*reversed(candidate.parents), candidate] if not p.exists()), None)
     candidate.mkdir(parents=True, exist_ok=True)
-    return candidate, created
+    return candidate, top
 
 
 def fresh_run_dir(path: str | Path) -> Path:
@@ -82,11 +82,11 @@ def fresh_run_dir(path: str | Path) -> Path:
     return claim_run_dir(path)[0]
 
 
-def discard_run_dir(run_dir: Path, created: bool) -> None:
-    """Remove what a refused run wrote: the folder itself when the run created it, else (an empty folder the user
-    made) its contents."""
-    if created:
-        shutil.rmtree(run_dir, ignore_errors=True)
+def discard_run_dir(run_dir: Path, created: Path | None) -> None:
+    """Remove what a refused run wrote: the folders it created (`claim_run_dir`), else (an empty folder the user
+    made) the run directory's contents."""
+    if created is not None:
+        shutil.rmtree(created, ignore_errors=True)
         return
     for child in run_dir.iterdir():
         if child.is_dir():
@@ -125,7 +125,8 @@ def run_eval(policy: Policy, cfg: Config, samples: list[dict], rewards, progress
                        batch_size=cfg.eval.batch_size, template=cfg.data.prompt_template,
                        max_prompt_length=cfg.data.max_prompt_length, rewards=rewards, seed=cfg.trainer.seed,
                        progress=progress.advance, n=cfg.eval.samples, ks=cfg.eval.pass_k,
-                       reflection_words=cfg.eval.reflection_words, backtracking_words=cfg.eval.backtracking_words)
+                       reflection_words=cfg.eval.reflection_words, backtracking_words=cfg.eval.backtracking_words,
+                       solved=Solved.from_config(cfg))
         progress.end()
         key, budget = ("agent.turn_tokens", cfg.agent.turn_tokens) if cfg.agent.enabled else \
             ("eval.max_new_tokens", cfg.eval.max_new_tokens)
@@ -207,6 +208,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         progress = Progress()  # one progress bar and one log: rank 0's
     rewards = reward_specs(cfg)  # the length penalty's limits follow the generation budget unless set
     check_specs(rewards)  # an unknown reward or option fails here, before data or model are built
+    Solved.from_config(cfg)  # solved.reward names a component or a registered reward
     warnings = budget_warnings(cfg)
     for warning in warnings:
         progress.message(f"warning: {warning}")
@@ -221,7 +223,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         check_coverage(rewards, data.train)
     if cfg.curriculum.order == "easy_to_hard":
         difficulties(data.train)  # a missing difficulty is refused now, not after the SFT warm-start
-    run_dir, created = (point.run_dir, False) if point else (None, False)
+    run_dir, created = (point.run_dir, None) if point else (None, None)
     if run_dir is None and dist_info.is_main:
         run_dir, created = claim_run_dir(cfg.trainer.output_dir)
     run_dir = broadcast_object(run_dir, dist_info)

@@ -46,6 +46,7 @@ class StepContext:
     agent: object | None = None  # vlmrl.agent.AgentSpec: multi-turn rollouts with tools (the recipe's `agent`)
     guard: NonfiniteGuard = field(default_factory=NonfiniteGuard)  # optimizer steps skipped for a NaN/inf, run-long
     signal_share: float | None = None  # dynamic sampling: the last step's share of generated groups with a signal
+    solved: object | None = None  # vlmrl.eval.generative.Solved: what counts as right (None: accuracy, IoU >= 0.5)
 
     def __post_init__(self):
         if self.forward is None:
