@@ -183,8 +183,8 @@ class SolvedConfig:
     # definition of correct"). `reward`: a component of `rewards` (its label or name, with its options), else a
     # registered reward with its defaults. The default pays a right number, text, math or choice answer and a box
     # with IoU >= 0.5 (`accuracy`)
-    reward: Name = "accuracy"
-    threshold: float = 1.0
+    reward: Name = "accuracy"  # a component of `rewards` (its label or name), else a registered reward
+    threshold: float = 1.0  # an answer is solved when that reward's value is >= threshold
 
 
 @section
