@@ -69,6 +69,7 @@ def step_args(doc: str, steps: int, name: str) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default=f"/tmp/vlmrl-bench/{name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    p.add_argument("--recipe", default=None, help="the recipe to run (default: the quickstart's)")
     p.add_argument("overrides", nargs="*")
     return p.parse_intermixed_args()  # overrides may come after --steps and --threads, as the usage line shows
 
@@ -89,9 +90,13 @@ def run_steps(args: argparse.Namespace, warmup: int, around: Callable[[], Abstra
             return step(*a, **kw)
 
     job.rl_step = measured_step
-    code = vlmrl_main(["train", f"model.name_or_path={args.start}", "sft.steps=0",
-                       f"trainer.steps={args.steps + warmup}", f"trainer.threads={args.threads}",
-                       "trainer.eval_every=0", f"trainer.output_dir={args.out}", *args.overrides])
+    recipe = [args.recipe] if getattr(args, "recipe", None) else []
+    try:
+        code = vlmrl_main(["train", *recipe, f"model.name_or_path={args.start}", "sft.steps=0",
+                           f"trainer.steps={args.steps + warmup}", f"trainer.threads={args.threads}",
+                           "trainer.eval_every=0", f"trainer.output_dir={args.out}", *args.overrides])
+    finally:
+        job.rl_step = step  # a second run in this process measures itself only
     if code:
         sys.exit(code)
 

@@ -1,0 +1,105 @@
+"""What one agentic RL step costs, and what it processes, against the same recipe without tools.
+
+    python benchmarks/agent_step_cost.py START_CHECKPOINT --steps 10 --threads 1 [KEY=VALUE ...]
+
+Runs `vlmrl train recipes/agentic_zoom.yaml` from START (no SFT, no evaluation) twice in this process: the tool arm
+and the same recipe with `agent.tools=[]` (single-turn). Each arm's first step is a warm-up; then, per RL step:
+wall seconds, and what the step processed in each stage — tokens prefilled (every row's columns of a multi-token
+language-model call, padding included), tokens decoded (one-column calls), images through the vision tower — for
+collect (sampling: no gradient) and update (the training forward, with gradient; old/reference log-prob passes
+without gradient are counted under collect when they run). The per-unit cost compares the arms' seconds per step
+against the work each did. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_rl_step import run_steps, step_args  # noqa: E402
+
+RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "agentic_zoom.yaml")
+
+
+class Counts:
+    def __init__(self):
+        self.seconds, self.steps = 0.0, 0
+        self.work = dict.fromkeys(("prefill/collect", "decode/collect", "images/collect", "prefill/update",
+                                   "images/update"), 0)
+
+
+CURRENT: list[Counts | None] = [None]  # the arm being measured, while its step runs
+
+
+def install_counters() -> None:
+    """Wrap the families' forward and image-feature calls (once) to count into CURRENT[0]."""
+    from vlmrl.models.families import base
+
+    forward, embeds_of = base.VLFamily.forward_hidden, base.VLFamily.prompt_embeds
+
+    def stage() -> str:
+        return "update" if torch.is_grad_enabled() else "collect"
+
+    def counted_forward(self, embeds, *a, **kw):
+        counts = CURRENT[0]
+        if counts is not None:
+            n, s = embeds.shape[0], embeds.shape[1]
+            key = ("decode/" if s == 1 else "prefill/") + stage()
+            counts.work[key if key in counts.work else "prefill/update"] += n * s
+        return forward(self, embeds, *a, **kw)
+
+    def counted_embeds(self, batch):
+        before = self.vision_calls
+        out = embeds_of(self, batch)
+        if CURRENT[0] is not None:
+            CURRENT[0].work[f"images/{stage()}"] += self.vision_calls - before
+        return out
+
+    base.VLFamily.forward_hidden, base.VLFamily.prompt_embeds = counted_forward, counted_embeds
+
+
+def measure(args, overrides: list[str]) -> Counts:
+    counts = Counts()
+
+    @contextmanager
+    def timed():
+        CURRENT[0] = counts
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            counts.seconds += time.perf_counter() - t0
+            counts.steps += 1
+            CURRENT[0] = None
+
+    args.overrides = overrides
+    run_steps(args, 1, timed)
+    return counts
+
+
+def main() -> None:
+    args = step_args(__doc__, 10, "agent-step")
+    args.recipe = args.recipe or RECIPE
+    install_counters()
+    extra, out, rows = list(args.overrides), args.out, []
+    for arm, overrides in (("tool", extra), ("no tool", [*extra, "agent.tools=[]"])):
+        args.out = f"{out}-{arm.replace(' ', '_')}"
+        rows.append((arm, measure(args, overrides)))
+    keys = list(rows[0][1].work)
+    print(f"\n{args.steps} measured steps per arm (after 1 warm-up), {args.threads} thread(s)\n")
+    print("| arm | s / step | " + " | ".join(f"{k} / step" for k in keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for arm, c in rows:
+        per = [c.work[k] / c.steps for k in keys]
+        print(f"| {arm} | {c.seconds / c.steps:.2f} | " + " | ".join(f"{v:.0f}" for v in per) + " |")
+    tool, plain = rows[0][1], rows[1][1]
+    print(f"\nstep time ratio tool / no tool: {tool.seconds / tool.steps / (plain.seconds / plain.steps):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
