@@ -615,3 +615,47 @@ def test_noisy_demonstrations_zoom_elsewhere_on_the_same_boards():
             assert n["demonstration"][0].startswith('<tool_call>{"name":"zoom"')
     with pytest.raises(DataError, match="demo_on_target"):
         make_task("zoom_shape", 2, "train", seed=0, demo_on_target=1.5)
+
+
+def test_a_group_shares_its_prompt_in_the_training_forward(policy, count_samples, monkeypatch):
+    """A group's G trajectories run their prompt through the decoder once (prefill, then each trajectory's tail
+    with its observations' images in place): the same log-probs and gradients as every whole row, up to rounding,
+    and fewer tokens through the decoder."""
+    from vlmrl.models.forward import conversation_logprobs
+
+    scripted(monkeypatch, policy, {0: [ZOOM, ANSWER, ZOOM, CALC], 1: [ANSWER, CALC, ANSWER], 2: [ANSWER]})
+    samples = count_samples[:2]
+    out = agent_rollout(policy, make_prompts(policy, samples), samples, 2, AgentLimits(3, 64, 400, 2), BUILTIN_TOOLS,
+                        tool_env, 1.0, max_pixels=84 * 84).rollout
+    assert out.columns["num_turns"] == [2, 1, 3, 2] and out.context.images_per_prompt == [2, 1, 2, 1]
+    seen = []
+    forward = policy.family.forward_hidden
+
+    def counted(embeds, *a, **kw):
+        seen.append(embeds.shape[0] * embeds.shape[1])
+        return forward(embeds, *a, **kw)
+
+    def run(shared: bool):
+        policy.model.zero_grad(set_to_none=True)
+        seen.clear()
+        if shared:
+            res = sequence_logprobs(policy, out.context, torch.arange(4), out.completion_ids, out.completion_mask, 1.0)
+        else:
+            embeds = policy.family.prompt_embeds(out.context)
+            res = conversation_logprobs(policy.family, embeds, torch.tensor(out.context.completion_tokens),
+                                        out.completion_ids, out.completion_mask, 1.0)
+        res.logprobs.sum().backward()
+        grads = {k: p.grad.clone() for k, p in policy.model.named_parameters() if p.grad is not None}
+        return res.logprobs.detach(), grads, sum(seen)
+
+    monkeypatch.setattr(policy.family, "forward_hidden", counted)
+    shared, shared_grads, shared_tokens = run(True)
+    whole, whole_grads, whole_tokens = run(False)
+    assert shared_tokens < whole_tokens
+    mask = out.completion_mask.bool()
+    assert (shared[~mask] == 0).all() and (shared[mask] != 0).all()
+    assert (shared - whole).abs().max() < 1e-5
+    assert shared_grads.keys() == whole_grads.keys()
+    for k in whole_grads:  # float32 rounding only
+        scale = whole_grads[k].abs().max().item()
+        assert (shared_grads[k] - whole_grads[k]).abs().max().item() <= 1e-4 * max(scale, 1e-6), k

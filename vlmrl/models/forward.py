@@ -174,6 +174,70 @@ def conversation_logprobs(family, conversation: PromptEmbeds, completion_tokens:
     return CompletionOutput(logprobs, entropy, hidden if with_hidden else None)
 
 
+def shared_prompts(batch: ConversationBatch) -> tuple[list[int], list[int], list[int]]:
+    """(groups, first, prompt_lengths): for each conversation row, the index of its prompt among the distinct
+    prompts (same sample, same prompt tokens: a group's G trajectories), each distinct prompt's first row, and each
+    row's prompt length (its real tokens before its last `completion_tokens`)."""
+    real = batch.attention_mask.sum(-1).tolist()
+    lengths = [r - c for r, c in zip(real, batch.completion_tokens, strict=True)]
+    width = batch.input_ids.shape[1]
+    seen: dict[tuple, int] = {}
+    groups, first = [], []
+    for n, (sid, p, c) in enumerate(zip(batch.sample_ids, lengths, batch.completion_tokens, strict=True)):
+        key = (sid, tuple(batch.input_ids[n, width - c - p: width - c].tolist()))
+        if key not in seen:
+            seen[key] = len(first)
+            first.append(n)
+        groups.append(seen[key])
+    return groups, first, lengths
+
+
+def shared_conversation_logprobs(family, batch: ConversationBatch, conversation: PromptEmbeds,
+                                 completion_ids: Tensor, completion_mask: Tensor, temperature: float = 1.0,
+                                 with_entropy: bool = False, entropy_grad: bool = False, with_hidden: bool = False,
+                                 chunk_tokens: int | None = None) -> CompletionOutput:
+    """`conversation_logprobs` with each prompt through the decoder once for all the trajectories that start from it
+    (a group's G rows), as single-turn training shares a prompt (`completion_logprobs` with `rows`): the distinct
+    prompts are prefilled, their keys and values copied to their trajectories' rows, and each trajectory's tail
+    (its turns and observations, image features in place, at the positions its whole row has) runs after them.
+    The same math as running every whole row; rounding differs. `conversation` holds every row's embeddings."""
+    from vlmrl.models.kv_cache import select_rows  # transformers' cache classes, as family.new_cache
+
+    n, t = completion_ids.shape
+    device = conversation.embeds.device
+    groups, first, lengths = shared_prompts(batch)
+    width = conversation.embeds.shape[1]
+    c = torch.tensor(batch.completion_tokens, device=device)
+    # the distinct prompts, left-padded: prompt row g is the columns before row first[g]'s completion
+    p_width = max(lengths[r] for r in first)
+    p_cols = (width - c[first][:, None] - p_width + torch.arange(p_width, device=device)[None]).clamp(min=0)
+    p_real = torch.arange(p_width, device=device)[None] >= (p_width - torch.tensor([lengths[r] for r in first],
+                                                                                    device=device))[:, None]
+    firsts = torch.tensor(first, device=device)
+    p_embeds = conversation.embeds.index_select(0, firsts).gather(
+        1, p_cols[..., None].expand(-1, -1, conversation.embeds.shape[-1]))
+    p_mask = p_real.to(conversation.attention_mask.dtype)
+    p_pos = conversation.position_ids.index_select(1, firsts).gather(2, p_cols[None].expand(3, -1, -1))
+    p_pos = p_pos * p_real[None]
+    cache = family.new_cache()
+    last = family.forward_hidden(p_embeds, p_mask, p_pos, cache)[:, -1]
+    rows = torch.tensor(groups, device=device)
+    hidden = last.index_select(0, rows).unsqueeze(1)  # predicts each trajectory's first completion token
+    if t > 1:  # completion tokens 0..t-2 of each row (its own embeddings and positions) predict tokens 1..t-1
+        j = torch.arange(t - 1, device=device)[None]
+        cols = (width - c[:, None] + j).clamp(max=width - 1)
+        tail = conversation.embeds.gather(1, cols[..., None].expand(-1, -1, conversation.embeds.shape[-1]))
+        tail_pos = conversation.position_ids.gather(2, cols[None].expand(3, -1, -1))
+        tail_mask = (j < c[:, None]).to(p_mask.dtype)
+        select_rows(cache, rows)
+        mask = torch.cat([p_mask.index_select(0, rows), tail_mask], dim=1)
+        hidden = torch.cat([hidden, family.forward_hidden(tail, mask, tail_pos, cache)], dim=1)
+    chunk = head_chunk_tokens(family) if chunk_tokens is None else chunk_tokens
+    logprobs, entropy = token_scores(family.lm_head, hidden, completion_ids, completion_mask, temperature,
+                                     with_entropy or entropy_grad, entropy_grad, chunk)
+    return CompletionOutput(logprobs, entropy, hidden if with_hidden else None)
+
+
 def sequence_logprobs(policy, prompts: PromptBatch, prompt_index: Tensor, completion_ids: Tensor,
                       completion_mask: Tensor, temperature: float, **kwargs) -> CompletionOutput:
     """`completion_logprobs` for rows of `prompts` chosen by `prompt_index`: each prompt's images go through the
@@ -188,12 +252,16 @@ def sequence_logprobs(policy, prompts: PromptBatch, prompt_index: Tensor, comple
     rows = torch.tensor([local[p] for p in prompt_index.tolist()], device=completion_ids.device)
     family = policy.family
     embeds = family.prompt_embeds(sub)
-    if isinstance(sub, ConversationBatch):  # multi-turn trajectories: each row is its own conversation
-        return conversation_logprobs(family, embeds.select(rows), torch.tensor(sub.completion_tokens)[rows.cpu()],
-                                     completion_ids, completion_mask, temperature, **kwargs)
-    # one answer per prompt: nothing to share, unless every forward must run the same modules (FSDP2: then the
-    # shared path always, its tail included); transformers turns the KV cache off under gradient checkpointing
+    # transformers turns the KV cache off under gradient checkpointing: no shared prompt then
     checkpointed = getattr(policy.model, "is_activation_checkpointing", False)
+    if isinstance(sub, ConversationBatch):  # multi-turn trajectories: each row is its own conversation
+        if checkpointed or embeds.extras or rows.tolist() != list(range(len(sub))):  # (extras: per whole row)
+            return conversation_logprobs(family, embeds.select(rows), torch.tensor(sub.completion_tokens)[rows.cpu()],
+                                         completion_ids, completion_mask, temperature, **kwargs)
+        return shared_conversation_logprobs(family, sub, embeds, completion_ids, completion_mask, temperature,
+                                            **kwargs)
+    # one answer per prompt: nothing to share, unless every forward must run the same modules (FSDP2: then the
+    # shared path always, its tail included)
     if checkpointed or (len(used) == len(rows) and not family.uniform_calls):
         embeds, rows = embeds.select(rows), None
     full = completion_ids.shape[1]
