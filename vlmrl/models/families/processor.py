@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 import weakref
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,10 +22,18 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from vlmrl.cache import BoundedLRU
 from vlmrl.errors import ConfigError, DataError, PathError
 from vlmrl.models.batch import PromptBatch, PromptTooLongError
 
 PROCESSOR_FILE = "vlmrl_processor.json"
+TOKEN_CACHE_BYTES = 32 * 2**20  # `VLProcessor.token_rows`: the quickstart's 1,024 remembered prompts take ~6 MB
+TOKEN_CACHE_ENTRIES = 1024
+
+
+def _token_row_bytes(text: str, ids: array) -> int:
+    """What one remembered tokenisation holds: the text object and its ids (8 bytes each in an array)."""
+    return sys.getsizeof(text) + ids.itemsize * len(ids)
 
 
 @dataclass
@@ -109,6 +119,25 @@ def read_chat_template(path: str | Path) -> str | None:
     return None
 
 
+def saved_system_prompt(path: str | Path) -> str | None:
+    """The system prompt saved in a checkpoint's vlmrl_processor.json (an agentic run's tool descriptions), or None
+    (no file: a hub model; or a checkpoint trained without one)."""
+    from transformers.utils import cached_file
+
+    file = cached_file(str(path), PROCESSOR_FILE, _raise_exceptions_for_missing_entries=False,
+                       _raise_exceptions_for_connection_errors=False)
+    if not file:
+        return None
+    try:
+        prompt = json.loads(Path(file).read_text()).get("system_prompt")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise PathError(f"{file}: not a readable {PROCESSOR_FILE} ({exc}); save the checkpoint again or delete "
+                        "the file") from None
+    if prompt is not None and not isinstance(prompt, str):
+        raise PathError(f"{file}: system_prompt is a {type(prompt).__name__}, expected a string or null")
+    return prompt
+
+
 def added_bos_id(tokenizer) -> int | None:
     """The BOS id `tokenizer` puts in front of the text it encodes with special tokens (`add_bos_token`, or a
     post-processor template such as Llama's "<s> $A"), or None when it adds none (Qwen; tokenizers without a BOS)."""
@@ -149,7 +178,9 @@ class VLProcessor:
         self.options = self.options_from_config(config) if config is not None else {}
         self.image_cache = ImageCache()
         self.prompt_texts: dict[tuple, str] = {}  # see `prompt_text`
-        self.token_rows: dict[str, list[int]] = {}  # see `tokenize`
+        self.token_rows: BoundedLRU[str, array] = BoundedLRU(TOKEN_CACHE_BYTES, TOKEN_CACHE_ENTRIES,
+                                                             _token_row_bytes)  # see `tokenize`
+        self._max_token_chars: int | None = None  # see `max_prompt_chars`
 
     # -- construction and saving ---------------------------------------------------------------------------------
     def options_from_config(self, config) -> dict:
@@ -165,13 +196,17 @@ class VLProcessor:
         image_processor = getattr(transformers, cls.image_processor_class).from_pretrained(path, **kwargs)
         if config is None:
             config = AutoConfig.from_pretrained(path, **kwargs)
-        return cls(tokenizer, image_processor, config=config, chat_template=read_chat_template(path))
+        return cls(tokenizer, image_processor, system_prompt=saved_system_prompt(path), config=config,
+                   chat_template=read_chat_template(path))
 
     def save_pretrained(self, path: str | Path) -> None:
+        """Tokenizer, image processor, chat template and `vlmrl_processor.json`: the family, its options and the
+        system prompt (an agentic run's tool descriptions), so a loaded checkpoint prompts as its training did."""
         self.tokenizer.save_pretrained(path)
         self.image_processor.save_pretrained(path)
         (Path(path) / "chat_template.jinja").write_text(self.chat_template)  # ours, over any text-only template
-        (Path(path) / PROCESSOR_FILE).write_text(json.dumps({"family": self.family, "options": self.options}))
+        (Path(path) / PROCESSOR_FILE).write_text(json.dumps({"family": self.family, "options": self.options,
+                                                             "system_prompt": self.system_prompt}))
 
     def set_pixel_budget(self, min_pixels: int | None, max_pixels: int | None) -> None:
         """Apply model.min_pixels / model.max_pixels; the same processor feeds generation and training."""
@@ -250,19 +285,31 @@ class VLProcessor:
             out += ph + part
         return out
 
+    def max_prompt_chars(self, max_prompt_length: int) -> int:
+        """The longest prompt text (image markers included, before expansion) that can be `max_prompt_length`
+        tokens: no token stands for more characters than its own vocabulary entry has (a byte-level entry spells
+        each byte with one character, a SentencePiece one each character, or 6 for a byte fallback `<0xNN>`). A
+        longer text is refused before it is tokenised, which costs seconds and memory for a megabyte of text."""
+        if self._max_token_chars is None:
+            self._max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
+        return max_prompt_length * self._max_token_chars
+
     def tokenize(self, texts: list[str]) -> tuple[Tensor, Tensor]:
         """Left-padded ids and attention mask of the expanded prompts, with the special tokens the family's own
         transformers processor gets: the tokenizer's BOS in front when the tokenizer adds one (LLaVA's Llama
         tokenizer: `<s>`) and the chat template did not already write it (Gemma 3's writes `<bos>`, as
-        `ProcessorMixin.apply_chat_template` checks); nothing else (no EOS at the end of a prompt)."""
+        `ProcessorMixin.apply_chat_template` checks); nothing else (no EOS at the end of a prompt).
+
+        Token ids are remembered per expanded text (a prompt is tokenised again every time it is drawn) in a cache
+        bounded by bytes and entries (`token_rows`), so a server's unique, possibly huge prompts cannot pile up."""
         bos = self.tokenizer.bos_token
-        missing = list(dict.fromkeys(t for t in texts if t not in self.token_rows))
-        if missing:  # remembered per expanded text (a prompt is tokenised again every time it is drawn)
-            if len(self.token_rows) + len(missing) > 1024:
-                self.token_rows.clear()
-            self.token_rows.update(zip(missing, self.tokenizer(missing, add_special_tokens=False)["input_ids"],
-                                       strict=True))
-        rows = [self.token_rows[t] for t in texts]
+        found = {t: self.token_rows.get(t) for t in dict.fromkeys(texts)}
+        missing = [t for t, ids in found.items() if ids is None]
+        if missing:
+            for t, ids in zip(missing, self.tokenizer(missing, add_special_tokens=False)["input_ids"], strict=True):
+                found[t] = array("q", ids)
+                self.token_rows.put(t, found[t])
+        rows = [list(found[t]) for t in texts]
         if self.prompt_bos_id is not None:
             rows = [([] if t.startswith(bos) else [self.prompt_bos_id]) + r for t, r in zip(texts, rows, strict=True)]
         width = max(len(r) for r in rows)
@@ -304,6 +351,15 @@ class VLProcessor:
         """Chat-formatted `texts` (one image marker per image, from `prompt_text` or `chat_text`) and their images
         -> a PromptBatch: placeholders expanded, tokenised, length and image-token counts checked."""
         texts = list(texts)
+        if max_prompt_length is not None:  # before any image or token work: a refused prompt costs nothing
+            limit = self.max_prompt_chars(max_prompt_length)
+            for sid, text in zip(sample_ids, texts, strict=True):
+                if len(text) > limit:
+                    raise PromptTooLongError(
+                        f"sample {sid!r}: prompt text is {len(text)} characters, more than {max_prompt_length} "
+                        f"tokens can hold (max_prompt_length={max_prompt_length}; no token of this tokenizer is "
+                        f"over {limit // max_prompt_length} characters); shorten the text or raise "
+                        "data.max_prompt_length")
         flat = [im for ims in images for im in ims]
         inputs = self.processed_images(flat) if flat else ImageInputs({}, {}, [], [])
         start = 0
