@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 import http.server
 import io
+import socket
 import threading
+import time
 import warnings
 
 import pytest
@@ -16,6 +18,7 @@ from PIL import Image
 from pydantic import BaseModel
 
 from vlmrl.errors import ConfigError
+from vlmrl.serve import guard
 from vlmrl.serve.guard import (
     BodyLimit,
     RequestError,
@@ -103,11 +106,100 @@ def image_host():
 
 def test_remote_images_only_when_allowed(image_host):
     assert "remote image URLs are off" in refused(f"{image_host}/ok.png")
-    allowed = ServeLimits(allow_remote_images=True)
+    assert "not a public address" in refused(f"{image_host}/ok.png", ServeLimits(allow_remote_images=True))
+    allowed = ServeLimits(allow_remote_images=True, allow_private_image_hosts=True)  # the test host is loopback
     assert decode_image(f"{image_host}/ok.png", allowed).size == (20, 10)
-    assert "gave HTTP 404" in refused(f"{image_host}/missing.png", allowed)
-    assert "is over 50 bytes" in refused(f"{image_host}/ok.png", ServeLimits(allow_remote_images=True,
-                                                                             max_body_bytes=50), 413)
+    message = refused(f"{image_host}/missing.png", allowed)
+    assert "could not fetch the image" in message and "404" not in message  # nothing about what the host answered
+    assert "over the server's limit of 50 bytes" in refused(f"{image_host}/ok.png", ServeLimits(
+        allow_remote_images=True, allow_private_image_hosts=True, max_body_bytes=50), 413)
+
+
+REMOTE = ServeLimits(allow_remote_images=True)
+
+
+@pytest.mark.parametrize("addresses", [["127.0.0.1"], ["10.1.2.3"], ["169.254.169.254"], ["192.168.1.1"],
+                                       ["172.16.0.1"], ["100.64.0.1"], ["0.0.0.0"], ["224.0.0.1"], ["240.0.0.1"],
+                                       ["::1"], ["fe80::1"], ["fd00::1"], ["::ffff:10.0.0.1"], ["2002:a00:1::"],
+                                       ["93.184.216.34", "10.0.0.1"]])  # one private address among public ones
+def test_a_remote_image_on_a_private_address_is_refused_without_contacting_it(monkeypatch, addresses):
+    """The host is resolved first (here: a resolver that answers `addresses`) and no connection is ever made."""
+    asked = []
+    monkeypatch.setattr(guard, "resolve", lambda host, port: asked.append((host, port)) or addresses)
+
+    def never(*args, **kwargs):
+        raise AssertionError(f"the server connected to {args[0]}")
+
+    monkeypatch.setattr(socket, "create_connection", never)
+    for url in ("http://images.example/cat.png", "https://images.example:8443/cat.png?x=1"):
+        message = refused(url, REMOTE)
+        assert "not a public address" in message and not any(a in message for a in addresses)
+    assert asked == [("images.example", 80), ("images.example", 8443)]
+
+
+def test_a_public_host_is_fetched_from_the_address_that_was_checked(monkeypatch):
+    """The connection goes to the checked address (a second lookup could answer a private one: DNS rebinding),
+    and a failure says nothing of what happened there."""
+    monkeypatch.setattr(guard, "resolve", lambda host, port: ["93.184.216.34"])
+    tried = []
+
+    def refuse_connection(address, timeout=None, *args):
+        tried.append((address, timeout))
+        raise ConnectionRefusedError("connection refused (planted)")
+
+    monkeypatch.setattr(socket, "create_connection", refuse_connection)
+    message = refused("http://images.example:8080/cat.png", ServeLimits(allow_remote_images=True,
+                                                                       image_fetch_timeout=3.0))
+    assert tried == [(("93.184.216.34", 8080), 3.0)]
+    assert "could not fetch the image" in message and "refused" not in message and "8080" not in message
+    assert "port is not a number" in refused("http://images.example:99999/x.png", REMOTE)
+    assert "no host" in refused("http:///x.png", REMOTE)
+
+
+@pytest.fixture
+def slow_drip():
+    """A loopback host that answers 200 and then drips its body (and, on /headers, its headers) one byte every
+    0.25 s, for 4 s at most: a per-read timeout never fires."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                request = conn.recv(4096)
+                head = b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\nContent-Length: 16\r\n\r\n"
+                drip = head + b"x" * 16 if b"/headers" in request else b"x" * 16
+                if b"/headers" not in request:
+                    conn.sendall(head)
+                for byte in drip:
+                    if stop.wait(0.25):
+                        break
+                    try:
+                        conn.sendall(bytes([byte]))
+                    except OSError:
+                        break
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    stop.set()
+    listener.close()
+    thread.join(10)
+
+
+@pytest.mark.parametrize("path", ["/body.png", "/headers.png"])
+def test_a_slow_drip_host_hits_the_overall_deadline(slow_drip, path):
+    limits = ServeLimits(allow_remote_images=True, allow_private_image_hosts=True, image_fetch_timeout=1.0)
+    started = time.monotonic()
+    message = refused(slow_drip + path, limits)
+    took = time.monotonic() - started
+    assert "could not fetch the image" in message and "within 1 s" in message
+    assert 0.9 < took < 2.0, f"the fetch took {took:.2f} s against a deadline of 1 s"
 
 
 # ---------------------------------------------------------------------------------------------------------- HTTP

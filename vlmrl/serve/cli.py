@@ -84,8 +84,17 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--max-n", type=int, default=8, help="the largest n (answers per request)")
     s.add_argument("--max-upload-mb", type=float, default=20.0, help="request body limit (413 above it)")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait for its result (504)")
+    s.add_argument("--max-queue", type=int, default=64,
+                   help="chat: requests that may wait for the model; past it a 503 with Retry-After")
+    s.add_argument("--max-queue-mb", type=float, default=1024.0,
+                   help="chat: MiB of processed inputs (image tensors) the waiting requests may hold (503 past it)")
     s.add_argument("--allow-remote-images", action="store_true",
-                   help="let the server fetch http(s) image URLs (off: data URLs only)")
+                   help="let the server fetch http(s) image URLs from public hosts (off: data URLs only)")
+    s.add_argument("--allow-private-image-hosts", action="store_true",
+                   help="with --allow-remote-images: fetch from loopback, private and link-local addresses too "
+                        "(your internal network; only for trusted clients)")
+    s.add_argument("--image-fetch-timeout", type=float, default=10.0,
+                   help="seconds for one remote image, connection to last byte")
     s.add_argument("--max-inputs", type=int, default=256, help="embeddings: the most texts and images in one request")
     s.add_argument("--max-top-k", type=int, default=100, help="search: the largest top_k")
     s.set_defaults(func=cmd_serve)
@@ -104,12 +113,19 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _limits(args):
+    from vlmrl.errors import ConfigError
     from vlmrl.serve.guard import ServeLimits
 
+    if args.allow_private_image_hosts and not args.allow_remote_images:
+        raise ConfigError("--allow-private-image-hosts widens --allow-remote-images, which is off; add "
+                          "--allow-remote-images too, or leave both out (data URLs only)")
     return ServeLimits(max_body_bytes=int(args.max_upload_mb * 2**20), max_batch=args.max_batch,
-                       max_batch_tokens=args.max_batch_tokens, batch_wait_ms=args.batch_wait_ms, max_n=args.max_n, max_tokens=args.max_tokens,
-                       request_timeout=args.timeout, allow_remote_images=args.allow_remote_images,
-                       max_inputs=args.max_inputs, max_top_k=args.max_top_k)
+                       max_batch_tokens=args.max_batch_tokens, batch_wait_ms=args.batch_wait_ms, max_n=args.max_n,
+                       max_tokens=args.max_tokens, request_timeout=args.timeout, max_queue=args.max_queue,
+                       max_queue_bytes=int(args.max_queue_mb * 2**20), allow_remote_images=args.allow_remote_images,
+                       allow_private_image_hosts=args.allow_private_image_hosts,
+                       image_fetch_timeout=args.image_fetch_timeout, max_inputs=args.max_inputs,
+                       max_top_k=args.max_top_k)
 
 
 def _need_serve_extra() -> None:

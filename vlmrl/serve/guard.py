@@ -8,6 +8,9 @@
   while it streams in, before anything parses it.
 - `decode_image`: a data URL (or, only when allowed, an http(s) URL) or raw bytes -> an RGB PIL image, after checks
   of the media type, the base64, the decoder and the pixel count (no decompression bombs); 400 naming the input.
+  A remote URL's host is resolved first and refused when any of its addresses is loopback, private, link-local,
+  reserved or multicast (unless `allow_private_image_hosts`); the fetch connects to the address it checked, has one
+  deadline for the whole transfer, and its errors never tell the client what the target answered.
 - `install_errors`: every error leaves as OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, which
   the official client turns into its exceptions.
 """
@@ -17,11 +20,18 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+import http.client
 import io
+import ipaddress
 import os
+import socket
+import ssl
+import threading
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from vlmrl.errors import ConfigError
 
@@ -43,25 +53,32 @@ class ServeLimits:
     max_inputs: int = 256  # embeddings: texts or images per request
     max_top_k: int = 100  # search: results per query
     request_timeout: float = 300.0  # seconds a request may wait for its result before it fails with 504
+    max_queue: int = 64  # chat: requests waiting for the model; past it a 503 with Retry-After
+    max_queue_bytes: int = 2**30  # chat: bytes of processed inputs (image tensors) the waiting requests hold
     allow_remote_images: bool = False  # http(s) image URLs (fetched by the server) instead of data URLs only
+    allow_private_image_hosts: bool = False  # remote images from loopback/private/link-local addresses too
+    image_fetch_timeout: float = 10.0  # seconds for one remote image, connection to last byte
 
     def __post_init__(self):
         for name in ("max_body_bytes", "max_image_pixels", "max_images", "max_batch", "max_batch_tokens", "max_n",
-                     "max_tokens", "max_inputs", "max_top_k"):
+                     "max_tokens", "max_inputs", "max_top_k", "max_queue", "max_queue_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"serve limit {name}={getattr(self, name)!r}: expected an integer >= 1")
-        if self.batch_wait_ms < 0 or self.request_timeout <= 0:
-            raise ConfigError(f"serve limits: batch_wait_ms={self.batch_wait_ms} must be >= 0 and "
-                              f"request_timeout={self.request_timeout} > 0")
+        if self.batch_wait_ms < 0 or self.request_timeout <= 0 or self.image_fetch_timeout <= 0:
+            raise ConfigError(f"serve limits: batch_wait_ms={self.batch_wait_ms} must be >= 0, "
+                              f"request_timeout={self.request_timeout} and image_fetch_timeout="
+                              f"{self.image_fetch_timeout} > 0")
 
 
 class RequestError(Exception):
     """A request that cannot be served as sent: `status` (400, 401, 404, 413, 504...) and a message naming the
     field (`param`) and the problem. Raised anywhere in a handler; `install_errors` turns it into the reply."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.retry_after = retry_after  # seconds, sent as Retry-After (a 503 of a full queue)
 
 
 def check_limit(value: Any, limit: int, param: str, low: int = 1) -> None:
@@ -88,7 +105,9 @@ def install_errors(app: Any) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(request, exc: RequestError):
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else {}
+        if exc.retry_after is not None:
+            headers["Retry-After"] = str(exc.retry_after)
         return JSONResponse(error_body(exc.status, exc.message, exc.param, exc.code), exc.status, headers=headers)
 
     @app.exception_handler(HTTPException)
@@ -227,21 +246,95 @@ def decode_image(source: str | bytes, limits: ServeLimits, param: str = "image")
                        " (file paths are never read)", param)
 
 
-def _fetch(url: str, limits: ServeLimits, param: str) -> bytes:
-    import httpx
+def resolve(host: str, port: int) -> list[str]:
+    """Every address `host` resolves to (the system resolver; tests replace it)."""
+    return list(dict.fromkeys(info[4][0] for info in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)))
 
+
+def is_public(address: str) -> bool:
+    """False for loopback, private (RFC 1918, unique-local), link-local (169.254.169.254, the cloud metadata
+    service), shared (CGNAT), reserved, multicast and unspecified addresses, IPv4 ones written inside IPv6 too."""
+    ip = ipaddress.ip_address(address.split("%", 1)[0])
+    embedded = [ip]
+    if ip.version == 6:
+        embedded += [a for a in (ip.ipv4_mapped, ip.sixtofour, *(ip.teredo or ())) if a is not None]
+    return all(a.is_global and not (a.is_multicast or a.is_reserved or a.is_loopback or a.is_link_local
+                                    or a.is_private or a.is_unspecified) for a in embedded)
+
+
+class _PinnedConnection(http.client.HTTPConnection):
+    """HTTP(S) to `address`, the one checked, whatever `host` resolves to by the time it connects (no DNS
+    rebinding; `host` still names the server for TLS: SNI and the certificate check), with one deadline: at
+    `timeout` seconds `expire` shuts the socket, whatever phase the transfer is in, which wakes a blocked read."""
+
+    def __init__(self, host: str, port: int, address: str, tls: bool, timeout: float):
+        super().__init__(host, port, timeout=timeout)
+        self.address, self.tls = address, tls
+        self.raw: socket.socket | None = None
+        self.expired = threading.Event()
+
+    def connect(self) -> None:
+        self.raw = socket.create_connection((self.address, self.port), self.timeout)
+        if self.expired.is_set():  # the deadline passed while it connected
+            self.expire()
+        self.sock = ssl.create_default_context().wrap_socket(self.raw, server_hostname=self.host) if self.tls \
+            else self.raw
+
+    def expire(self) -> None:
+        self.expired.set()
+        if self.raw is not None:
+            try:
+                self.raw.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def _fetch(url: str, limits: ServeLimits, param: str) -> bytes:
+    """The body of `url` under the body limit and one deadline (`image_fetch_timeout`) for the whole transfer, so a
+    host that drips a byte now and then holds a worker thread no longer than that. Errors say what the client can
+    fix, never what the target answered (a status code or a connection error would make the server a port
+    scanner of whatever it can reach)."""
+    failed = RequestError(400, f"{param}: could not fetch the image (remote images must be public http(s) URLs that "
+                               f"answer 200 with the image within {limits.image_fetch_timeout:g} s)", param)
+    parts = urlsplit(url)
     try:
-        with httpx.stream("GET", url, timeout=10.0, follow_redirects=False) as response:
-            if response.status_code != 200:
-                raise RequestError(400, f"{param}: fetching {url} gave HTTP {response.status_code}", param)
-            data = bytearray()
-            for chunk in response.iter_bytes():
-                data += chunk
-                if len(data) > limits.max_body_bytes:
-                    raise RequestError(413, f"{param}: {url} is over {limits.max_body_bytes} bytes", param)
-            return bytes(data)
-    except httpx.HTTPError as exc:
-        raise RequestError(400, f"{param}: could not fetch {url}: {exc}", param) from None
+        host, port = parts.hostname, parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        raise RequestError(400, f"{param}: the image URL's port is not a number from 0 to 65535", param) from None
+    if not host:
+        raise RequestError(400, f"{param}: the image URL has no host", param)
+    try:
+        addresses = resolve(host, port)
+    except (OSError, UnicodeError):
+        raise failed from None
+    if not addresses or not (limits.allow_private_image_hosts or all(map(is_public, addresses))):
+        raise RequestError(400, f"{param}: the image URL's host is not a public address; this server fetches images "
+                                "only from public hosts", param)
+    connection = _PinnedConnection(host, port, addresses[0], parts.scheme == "https", limits.image_fetch_timeout)
+    watchdog = threading.Timer(limits.image_fetch_timeout, connection.expire)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        connection.request("GET", (parts.path or "/") + (f"?{parts.query}" if parts.query else ""),
+                           headers={"Host": parts.netloc.rpartition("@")[2], "Accept": "image/*",
+                                    "User-Agent": "vlmrl-serve"})
+        response = connection.getresponse()
+        if response.status != 200:
+            raise failed
+        data = bytearray()
+        while not connection.expired.is_set() and (chunk := response.read1(65536)):
+            data += chunk
+            if len(data) > limits.max_body_bytes:
+                raise RequestError(413, f"{param}: the image is over the server's limit of {limits.max_body_bytes} "
+                                        "bytes", param)
+        if connection.expired.is_set():
+            raise failed
+        return bytes(data)
+    except (OSError, http.client.HTTPException, ValueError):
+        raise failed from None
+    finally:
+        watchdog.cancel()
+        connection.close()
 
 
 def _open(data: bytes, limits: ServeLimits, param: str):
