@@ -414,7 +414,7 @@ def test_decoder_cuts_at_stop_strings_and_never_sends_a_stop_prefix(policy):
         return "".join(e[2] for e in evs if e[0] == "delta" and e[1] == choice)
 
     def end(evs, choice=0):
-        return next(e[2:] for e in evs if e[0] == "end" and e[1] == choice)
+        return next(e[2:4] for e in evs if e[0] == "end" and e[1] == choice)
 
     assert text(events[0]) == "<answer>3" and end(events[0])[0] == "stop"
     assert all("<" not in e[2] for e in events[0][1:] if e[0] == "delta")  # "</" was held back, never sent

@@ -10,18 +10,27 @@ thread, so the event loop goes on accepting requests; they form the next batch.
 Each job's answers draw from their own random stream (`generate`'s `prompt_seeds`), so an answer depends on its seed,
 not on which jobs share its batch. During the call, `Decoder.step` (generate's `on_token`) decodes every answer as it
 grows, cuts it at its first stop string or at its job's max_tokens (ending that row; the others go on) and sends the
-new text to the job's queue: the handler streams it or collects it, so both give the same text. A job whose client
-went away or timed out is cancelled: its rows end at the next token, the batch goes on for the others.
+text that is settled to the job's queue. A tokenizer's decode may rewrite text it already gave when one more token
+comes (transformers' `clean_up_tokenization_spaces` turns "It '" into "It's" once the "s" arrives), so an answer's
+text is sent only as far as the decodes of its last few tokens agree (`stable_window`), and its end event carries the
+final decode of all its tokens: the non-streamed reply is that text, and a stream ends by sending what it adds. A job
+whose client went away or timed out is cancelled: its rows end at the next token, the batch goes on for the others.
+
+The queue is bounded (`ServeLimits.max_queue` requests, `max_queue_bytes` of processed inputs, which is what a
+waiting request holds: its images' tensors): past either bound `submit` refuses with 503 and Retry-After, and
+nothing already queued is touched.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -33,10 +42,21 @@ from vlmrl.serve.guard import RequestError, ServeLimits
 
 log = logging.getLogger(__name__)
 
+def prompt_bytes(prompt: PromptBatch) -> int:
+    """Bytes of every tensor a processed prompt holds (ids, masks, image tensors): what a waiting request pins."""
+    total = 0
+    for f in fields(prompt):
+        value = getattr(prompt, f.name)
+        for t in value.values() if isinstance(value, dict) else (value,):
+            if isinstance(t, Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
 @dataclass(eq=False)
 class Job:
     """One chat request's answers. Events on `events`: ("delta", choice, text), ("end", choice, finish_reason,
-    completion_tokens) once per choice, or ("error", exception) once."""
+    completion_tokens, text) once per choice (`text`: the answer's final decode), or ("error", exception) once."""
 
     prompt: PromptBatch  # one row
     n: int
@@ -63,6 +83,10 @@ class Job:
     def prompt_tokens(self) -> int:
         return int(self.prompt.attention_mask.sum())
 
+    @property
+    def bytes(self) -> int:
+        return prompt_bytes(self.prompt)
+
     def cancel(self) -> None:
         """Stop generating for this job (its rows end at the next token); safe to call when it finished."""
         self.cancelled = True
@@ -84,14 +108,42 @@ class Batcher:
         self.calls = 0
         self.batch_answers: list[int] = []
         self.cancelled_answers = 0
+        self.refused_busy = 0  # requests answered 503 because the queue was full
+        self.last_call_seconds = 0.0  # how long the latest generate call took (Retry-After's estimate)
         self._arrived: asyncio.Event | None = None
         self._task: asyncio.Task | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="vlmrl-generate")
         self._running: list[Job] = []
 
     # -- the event-loop side -------------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> list[Job]:
+        return [j for j in self.pending if not j.cancelled]
+
+    def queued_bytes(self) -> int:
+        return sum(j.bytes for j in self.waiting)
+
+    def check_room(self, size: int = 0) -> None:
+        """503 with Retry-After when `max_queue` requests wait, or when `size` more bytes of inputs would pass
+        `max_queue_bytes`. The handler asks before it decodes a request's images (by count) and `submit` again
+        with the processed prompt's size."""
+        waiting, queued = len(self.waiting), self.queued_bytes()
+        if waiting < self.limits.max_queue and queued + size <= self.limits.max_queue_bytes:
+            return
+        self.refused_busy += 1
+        retry = max(1, math.ceil(self.last_call_seconds))
+        raise RequestError(503, f"the server is busy: {waiting} requests wait with {queued / 2**20:.1f} MiB of "
+                                f"inputs (limits: --max-queue {self.limits.max_queue}, --max-queue-mb "
+                                f"{self.limits.max_queue_bytes / 2**20:g}); retry after {retry} s",
+                           code="server_busy", retry_after=retry)
+
     def submit(self, job: Job) -> None:
-        """Queue `job`; a job that could never fit one generate call is a 400 naming the limit."""
+        """Queue `job`. A job that could never fit one generate call, or whose inputs alone pass the queue's byte
+        bound, is a 400 naming the limit; a full queue is a 503 with Retry-After (`check_room`)."""
+        if job.bytes > self.limits.max_queue_bytes:
+            raise RequestError(400, f"this request's processed inputs take {job.bytes / 2**20:.1f} MiB, over the "
+                                    f"server's queue limit of {self.limits.max_queue_bytes / 2**20:g} MiB "
+                                    "(--max-queue-mb); send fewer or smaller images", "messages")
         if job.rows > self.limits.max_batch:
             raise RequestError(400, f"n={job.n}: more answers than the server generates in one call "
                                     f"(max_batch={self.limits.max_batch})", "n")
@@ -99,6 +151,7 @@ class Batcher:
             raise RequestError(400, f"n x (prompt tokens + max_tokens) = {job.rows} x ({job.prompt_tokens} + "
                                     f"{job.max_tokens}) is over the server's limit of {self.limits.max_batch_tokens} "
                                     "tokens per generation call; lower max_tokens or n", "max_tokens")
+        self.check_room(job.bytes)
         self.pending.append(job)
         self._arrived.set()
 
@@ -164,6 +217,13 @@ class Batcher:
 
     # -- the worker-thread side ----------------------------------------------------------------------------------
     def _generate(self, batch: list[Job], loop: asyncio.AbstractEventLoop) -> None:
+        started = time.monotonic()
+        try:
+            self._generate_batch(batch, loop)
+        finally:
+            self.last_call_seconds = time.monotonic() - started
+
+    def _generate_batch(self, batch: list[Job], loop: asyncio.AbstractEventLoop) -> None:
         self.calls += 1
         self.batch_answers.append(sum(j.rows for j in batch))
         decoder = Decoder(batch, self.policy, loop, on_cancel=self._count_cancelled)
@@ -186,10 +246,19 @@ class Batcher:
 class _Answer:
     job: Job
     choices: list[int]  # the job's choice indices this row feeds (all n for a greedy job)
+    window: int  # the decodes that must agree before text is sent (`stable_window` + 1)
     ids: list[int] = field(default_factory=list)  # generated tokens, the end token excluded
     generated: int = 0  # generated tokens, the end token included (usage.completion_tokens)
     sent: str = ""  # text already sent
+    recent: deque = field(default_factory=deque)  # the decodes after each of the last `window` tokens
     done: bool = False
+
+    def settled(self, text: str) -> str:
+        """Remember `text` (the decode of all tokens so far); the part of it the last `window` decodes agree on."""
+        self.recent.append(text)
+        if len(self.recent) > self.window:
+            self.recent.popleft()
+        return common_prefix(self.recent) if len(self.recent) == self.window else ""
 
 
 class Decoder:
@@ -199,7 +268,8 @@ class Decoder:
                  on_cancel: Callable[[], None] = lambda: None):
         self.tokenizer, self.loop, self.on_cancel = policy.processor.tokenizer, loop, on_cancel
         self.eos = set(policy.eos_token_ids)
-        self.answers = [_Answer(job, list(range(job.n)) if job.rows == 1 else [r])
+        window = stable_window(self.tokenizer) + 1
+        self.answers = [_Answer(job, list(range(job.n)) if job.rows == 1 else [r], window)
                         for job in batch for r in range(job.rows)]
 
     def step(self, tokens: Tensor, alive: Tensor) -> Tensor:
@@ -226,7 +296,8 @@ class Decoder:
             return self._finish(answer, text[:cut], "stop")
         if len(answer.ids) >= job.max_tokens:
             return self._finish(answer, text, "length")
-        self._send(answer, text[:len(text) - held_back(text, job.stop)])
+        stable = answer.settled(text)
+        self._send(answer, stable[:len(stable) - held_back(stable, job.stop)])
 
     def _text(self, answer: _Answer) -> str:
         return self.tokenizer.decode(answer.ids, skip_special_tokens=True)
@@ -239,10 +310,18 @@ class Decoder:
             answer.sent = text
 
     def _finish(self, answer: _Answer, text: str, reason: str) -> None:
+        """End the answer with its final text: a stream gets what the text adds to what it was sent, the end event
+        carries all of it (the non-streamed reply's content)."""
+        if not text.startswith(answer.sent):  # a rewrite reached further back than `stable_window` tokens
+            log.warning("a streamed answer's text changed after it was sent (the tokenizer's decode rewrote it "
+                        "%d tokens later); the stream's text differs from the final text there", answer.window)
+            for choice in answer.choices:
+                self._put(answer.job, ("delta", choice, text[len(answer.sent):]))
+            answer.sent = text
         self._send(answer, text)
         answer.done = True
         for choice in answer.choices:
-            self._put(answer.job, ("end", choice, reason, answer.generated))
+            self._put(answer.job, ("end", choice, reason, answer.generated, text))
 
     def close(self) -> None:
         """After generate returned: a row still open (none should be) ends at its length."""
@@ -259,6 +338,39 @@ class Decoder:
             self.loop.call_soon_threadsafe(job.events.put_nowait, event)
         except RuntimeError:  # the event loop closed (server shutting down): nobody to tell
             pass
+
+
+REWRITE_PROBES = ("It 's", "do n't", "I 've", "a , b .", "you 're")
+
+
+def stable_window(tokenizer) -> int:
+    """How many tokens later an answer's text may still change under `tokenizer.decode`. 0 for a decode that only
+    ever extends its text (byte-level BPE, SentencePiece: a character split over tokens shows as a trailing
+    "\ufffd", which `held_back` holds); 4 for one that rewrites spaces before punctuation (transformers'
+    `clean_up_tokenization_spaces`: "It '" becomes "It's" when the "s" comes; its longest pattern, " n't", spans up
+    to 4 tokens). Probed once per batch on the strings that rule rewrites, so only such tokenizers delay streams.
+    A rewrite no probe foresaw still ends with the final text, with a logged warning (`Decoder._finish`)."""
+    for probe in REWRITE_PROBES:
+        if tokenizer.decode(tokenizer.encode(probe, add_special_tokens=False), skip_special_tokens=True) != probe:
+            return 4
+    return 0
+
+
+def common_prefix(texts) -> str:
+    """The longest string every one of `texts` starts with (a binary search over `startswith`, which runs in C:
+    answers are decoded again at every token, so this runs once per token per answer)."""
+    texts = list(texts)
+    if not texts:
+        return ""
+    shortest = min(texts, key=len)
+    lo, hi = 0, len(shortest)  # shortest[:lo] is common to all; shortest[:hi + 1] is not (or hi is its length)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if all(t.startswith(shortest[:mid]) for t in texts):
+            lo = mid
+        else:
+            hi = mid - 1
+    return shortest[:lo]
 
 
 def held_back(text: str, stop: tuple[str, ...]) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from fastapi import Depends, FastAPI
+    from fastapi import Depends, FastAPI, Request
     from fastapi.responses import StreamingResponse
     from starlette.concurrency import run_in_threadpool
 except ImportError as exc:  # pragma: no cover - the serve extra is missing
@@ -112,8 +112,9 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"status": "ok", "model": model.name, "waiting": len(batcher.pending), "generate_calls": batcher.calls,
-                "answers_cancelled": batcher.cancelled_answers}
+        return {"status": "ok", "model": model.name, "waiting": len(batcher.waiting),
+                "waiting_bytes": batcher.queued_bytes(), "refused_busy": batcher.refused_busy,
+                "generate_calls": batcher.calls, "answers_cancelled": batcher.cancelled_answers}
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict:
@@ -125,7 +126,7 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
         return card
 
     @app.post("/v1/chat/completions", dependencies=auth)
-    async def chat_completions(body: ChatRequest):
+    async def chat_completions(body: ChatRequest, request: Request):
         _check_model(body.model, model.name)
         check_limit(body.n, limits.max_n, "n")
         given = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -135,6 +136,7 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
         check_limit(max_tokens, limits.max_tokens, given)
         stop = body.stops()
         request_id = f"chatcmpl-{secrets.token_hex(12)}"
+        batcher.check_room()  # a full queue refuses before the images are decoded and processed
         prompt = await run_in_threadpool(build_prompt, model.policy.processor, body, limits, model.prompt_template,
                                          request_id, model.max_prompt_length)
         temperature = 1.0 if body.temperature is None else body.temperature
@@ -145,7 +147,11 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await _stream(job, head, limits.request_timeout, include_usage)
-        return await _complete(job, head, limits.request_timeout)
+        watcher = asyncio.create_task(_cancel_when_gone(request, job))
+        try:
+            return await _complete(job, head, limits.request_timeout)
+        finally:
+            watcher.cancel()
 
     return app
 
@@ -179,15 +185,24 @@ def _usage(job: Job, tokens: dict[int, int]) -> dict:
             "total_tokens": job.prompt_tokens + completion}
 
 
+async def _cancel_when_gone(request: Request, job: Job) -> None:
+    """Cancel a non-streamed job when its client disconnects (a stream's job is cancelled by `_JobStream`): its rows
+    end at the next token instead of running to max_tokens for nobody."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+    job.events.put_nowait(("error", RequestError(499, "the client closed the request")))
+
+
 async def _complete(job: Job, head: dict, timeout: float) -> dict:
+    """The whole reply: each choice's content is its end event's text, the final decode of all its tokens (deltas
+    are for streams; a tokenizer may rewrite text after it was decoded, and the reply must not lose any)."""
     deadline = job.created + timeout
-    texts, reasons, tokens = {i: "" for i in range(job.n)}, {}, {}
+    texts, reasons, tokens = {}, {}, {}
     while len(reasons) < job.n:
         event = await _next(job, deadline, timeout)
-        if event[0] == "delta":
-            texts[event[1]] += event[2]
-        else:
-            reasons[event[1]], tokens[event[1]] = event[2], event[3]
+        if event[0] == "end":
+            reasons[event[1]], tokens[event[1]], texts[event[1]] = event[2], event[3], event[4]
     choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
                 "finish_reason": reasons[i]} for i in range(job.n)]
     return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(job, tokens)}
