@@ -47,13 +47,6 @@ class BarProgress:
         print(text, file=sys.stderr)
 
 
-def _accuracy(metrics: dict, key: str) -> str:
-    """'65.7% [62.0, 69.4]': an accuracy with its 95% interval (vlmrl.eval.metrics.accuracy_interval)."""
-    from vlmrl.eval.metrics import format_interval
-
-    return format_interval(metrics.get(key), metrics.get(f"{key}_ci_low"), metrics.get(f"{key}_ci_high"))
-
-
 def cmd_train(args) -> int:
     from vlmrl.config import QUICKSTART, load_config, to_dict
 
@@ -81,22 +74,17 @@ def cmd_train(args) -> int:
         print(f"\n{summary['preempted']}: stopped after step {summary['stopped_at']}; checkpoint: "
               f"{summary['checkpoint']}\nresume with: {summary['resume']}")
         return 0
-    start, final = summary["start"], summary["final"]
+    from vlmrl.eval.tables import train_table
+
     print(f"\nrun directory: {summary['run_dir']}")
-    print(f"{'held-out':<22}{'after SFT':>22}{'after RL':>22}")
-    for key in ("greedy/accuracy", "sampled/accuracy", "greedy/mean_reward", "greedy/mean_length"):
-        if key in final:
-            cells = [_accuracy(run, key) if "accuracy" in key else f"{run.get(key, float('nan')):6.2f}"
-                     for run in (start, final)]
-            print(f"{key:<22}{cells[0]:>22}{cells[1]:>22}")
-    n = final.get("greedy/n")
-    if n:
-        print(f"(accuracy on {int(n)} held-out samples, with its 95% interval)")
+    print(train_table(summary["start"], summary["final"]))  # with several tasks, each task's accuracy too
     print(f"wall time: {summary['wall_seconds']:.0f} s; final checkpoint: {summary['checkpoint']}")
     if summary["skipped_rows"]:
         print(f"skipped {summary['skipped_rows']} bad data rows (data.on_error=skip):")
         for problem in summary["skipped_problems"][:20]:
             print(f"  {problem}")
+    if summary.get("fallen_warning"):  # the run's last word: a task that RL made worse
+        print(f"warning: {summary['fallen_warning']}")
     return 0
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from vlmrl.eval.metrics import format_interval
+from vlmrl.eval.regressions import MODE, fallen_tasks, task_accuracies
 from vlmrl.eval.report import ARM_NAMES, MARKER_SETS, REFLECTION_RATIOS, is_rate
+
+TRAIN_TABLE_KEYS = ("greedy/accuracy", "sampled/accuracy", "greedy/mean_reward", "greedy/mean_length")
 
 
 def _cell(v, pct: bool = True) -> str:
@@ -59,6 +62,35 @@ def eval_table(results: dict[str, dict]) -> str:
         rows = [[r, *[_cell(results[t][name]["ratios"][r]) for t in labels]] for r in REFLECTION_RATIOS]
         out += ["", _grid([f"{name} (pooled)", *labels], rows)]
     return "\n".join(out)
+
+
+def train_table(start: dict, final: dict) -> str:
+    """What `vlmrl train` prints after training: held-out accuracy (with its 95% interval), reward and length after
+    SFT and after RL; with several tasks in the held-out set, each task's greedy accuracy too, a task that fell by
+    more than its interval marked `fell` (vlmrl.eval.regressions)."""
+    tasks = task_accuracies(final)
+    keys = [k for k in TRAIN_TABLE_KEYS if k in final]
+    per_task = [(f"{MODE}/task/{t}/accuracy", t) for t in tasks]
+    width = max([22, *(len(k) + 2 for k, _ in per_task)])
+    fell = set(fallen_tasks(start, final))
+    lines = [f"{'held-out':<{width}}{'after SFT':>22}{'after RL':>22}"]
+    for key in keys:
+        cells = [_train_cell(run, key) for run in (start, final)]
+        lines.append(f"{key:<{width}}{cells[0]:>22}{cells[1]:>22}")
+    for key, task in per_task:
+        cells = [_train_cell(run, key) for run in (start, final)]
+        lines.append(f"{key:<{width}}{cells[0]:>22}{cells[1]:>22}" + ("  fell" if task in fell else ""))
+    n = final.get("greedy/n")
+    if n:
+        each = ", ".join(f"{t} {int(m['n'])}" for t, m in tasks.items() if m["n"] is not None)
+        lines.append(f"(accuracy on {int(n)} held-out samples{f' ({each})' if each else ''}, with its 95% interval)")
+    return "\n".join(lines)
+
+
+def _train_cell(metrics: dict, key: str) -> str:
+    if "accuracy" in key:
+        return format_interval(metrics.get(key), metrics.get(f"{key}_ci_low"), metrics.get(f"{key}_ci_high"))
+    return f"{metrics.get(key, float('nan')):6.2f}"
 
 
 def baselines_table_text(baselines: dict, key: str = "greedy/accuracy") -> str:

@@ -20,6 +20,7 @@ from vlmrl.config import Config, save_config, to_dict, validate
 from vlmrl.data import vocabulary_texts
 from vlmrl.errors import VlmrlError
 from vlmrl.eval.generative import Solved, evaluate
+from vlmrl.eval.regressions import fallen_tasks, fallen_warning, task_accuracies
 from vlmrl.eval.samples import EVAL_SAMPLES, write_samples
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
@@ -301,7 +302,11 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     summary["notes"] += warnings + job.notes
     summary["wall_seconds"] = job.wall_before + time.perf_counter() - t_start
     if stopped_at is None:
-        logger.log({"wall_seconds": summary["wall_seconds"]}, cfg.trainer.steps, "summary")
+        row = {"wall_seconds": summary["wall_seconds"]}
+        if task_accuracies(summary["final"]):  # several tasks: which fell during RL (the CLI ends with the warning)
+            summary["fallen_tasks"] = row["fallen_tasks"] = fallen_tasks(summary["start"], summary["final"])
+            summary["fallen_warning"] = fallen_warning(summary["start"], summary["final"])
+        logger.log(row, cfg.trainer.steps, "summary")
     logger.close()
     return summary
 
