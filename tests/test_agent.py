@@ -659,3 +659,43 @@ def test_a_group_shares_its_prompt_in_the_training_forward(policy, count_samples
     for k in whole_grads:  # float32 rounding only
         scale = whole_grads[k].abs().max().item()
         assert (shared_grads[k] - whole_grads[k]).abs().max().item() <= 1e-4 * max(scale, 1e-6), k
+
+
+def test_later_turns_prefill_a_groups_prompt_once(policy, count_samples, monkeypatch):
+    """A turn after the first generates from conversation rows: each distinct prompt is prefilled once for its
+    group, then each trajectory's tail; the next-token distributions are those of prefilling every whole row."""
+    from vlmrl.models.forward import shared_prefill
+    from vlmrl.rollout.generate import generate
+
+    scripted(monkeypatch, policy, {0: [ZOOM, CALC, ZOOM, CALC]})
+    samples = count_samples[:2]
+    prompts = make_prompts(policy, samples)
+    first = agent_rollout(policy, prompts, samples, 2, AgentLimits(1, 64, 400, 2), BUILTIN_TOOLS, tool_env, 1.0,
+                          max_pixels=84 * 84).rollout
+    monkeypatch.undo()
+    # the conversations so far (turn, observation), as the next turn sees them
+    turns = [TurnRenderer(policy.processor).observation(
+        [{"type": "text", "text": "5"}], "s", 1)[0] for _ in range(4)]
+    tails = [first.completion_ids[i][first.completion_mask[i].bool()].tolist() + turns[i] for i in range(4)]
+    conv = conversation_batch(policy.processor, prompts, [0, 0, 1, 1], tails, [[], [], [], []],
+                              [[1] * (len(t) - len(o)) + [0] * len(o) for t, o in zip(tails, turns, strict=True)])
+    family = policy.family
+    with torch.no_grad():
+        pe = family.prompt_embeds(conv)
+        whole = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids)[:, -1]
+        shared = shared_prefill(family, conv, pe, max(conv.completion_tokens))
+        last = torch.tensor(conv.completion_tokens) - 1
+        split = shared.tail[torch.arange(4), last]
+    assert (family.lm_head(split).log_softmax(-1) - family.lm_head(whole).log_softmax(-1)).abs().max() < 1e-4
+    seen = []
+    forward = family.forward_hidden
+
+    def counted(embeds, *a, **kw):
+        seen.append(embeds.shape[0] * embeds.shape[1])
+        return forward(embeds, *a, **kw)
+
+    monkeypatch.setattr(family, "forward_hidden", counted)
+    out = generate(policy, conv, 1, 4, 1.0, prompt_seeds=[1, 2, 3, 4])
+    assert seen[0] <= prompts.input_ids.shape[1] * 2  # the two distinct prompts, not the four rows
+    assert sum(seen[:2]) < conv.input_ids.numel()  # prompts once, then the tails: less than every whole row
+    assert out.completion_ids.shape[0] == 4

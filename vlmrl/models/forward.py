@@ -192,46 +192,63 @@ def shared_prompts(batch: ConversationBatch) -> tuple[list[int], list[int], list
     return groups, first, lengths
 
 
+class SharedPrefill(NamedTuple):
+    cache: object  # the KV cache of every row's prompt and tail (tail columns right-padded)
+    first: Tensor  # [N, H] the hidden state of each row's last prompt token (predicts its tail's first token)
+    tail: Tensor | None  # [N, width, H] the hidden states of each row's first `width` tail tokens
+    attention_mask: Tensor  # [N, P + width] the cache's columns: the prompt (left-padded), the tail (right-padded)
+
+
+def shared_prefill(family, batch: ConversationBatch, conversation: PromptEmbeds, width: int,
+                   reserve: int = 0) -> SharedPrefill:
+    """Each distinct prompt of `batch` through the decoder once for all the rows (trajectories) that start from it,
+    its keys and values then copied to those rows, and each row's first `width` tail tokens (its turns and
+    observations, image features in place, at the positions its whole row has) after them. `conversation` holds
+    every row's embeddings and positions (`family.prompt_embeds(batch)`, no extras); `reserve`: columns the cache
+    keeps free after the tail (generation's answer budget). The same math as running every whole row; rounding
+    differs."""
+    from vlmrl.models.kv_cache import select_rows  # transformers' cache classes, as family.new_cache
+
+    device = conversation.embeds.device
+    groups, first, lengths = shared_prompts(batch)
+    full, hid = conversation.embeds.shape[1], conversation.embeds.shape[-1]
+    c = torch.tensor(batch.completion_tokens, device=device)
+    # the distinct prompts, left-padded: prompt row g is the columns before row first[g]'s tail
+    p_width = max(lengths[r] for r in first)
+    p_cols = (full - c[first][:, None] - p_width + torch.arange(p_width, device=device)[None]).clamp(min=0)
+    p_real = torch.arange(p_width, device=device)[None] >= (p_width - torch.tensor([lengths[r] for r in first],
+                                                                                    device=device))[:, None]
+    firsts = torch.tensor(first, device=device)
+    p_embeds = conversation.embeds.index_select(0, firsts).gather(1, p_cols[..., None].expand(-1, -1, hid))
+    p_mask = p_real.to(conversation.attention_mask.dtype)
+    p_pos = conversation.position_ids.index_select(1, firsts).gather(2, p_cols[None].expand(3, -1, -1)) * p_real
+    cache = family.new_cache(reserve=width + reserve) if reserve else family.new_cache()
+    last = family.forward_hidden(p_embeds, p_mask, p_pos, cache)[:, -1]
+    rows = torch.tensor(groups, device=device)
+    mask, tail = p_mask.index_select(0, rows), None
+    if width > 0:
+        j = torch.arange(width, device=device)[None]
+        cols = (full - c[:, None] + j).clamp(max=full - 1)
+        tail_mask = (j < c[:, None]).to(p_mask.dtype)
+        select_rows(cache, rows)
+        mask = torch.cat([mask, tail_mask], dim=1)
+        tail = family.forward_hidden(conversation.embeds.gather(1, cols[..., None].expand(-1, -1, hid)), mask,
+                                     conversation.position_ids.gather(2, cols[None].expand(3, -1, -1)), cache)
+    return SharedPrefill(cache, last.index_select(0, rows), tail, mask)
+
+
 def shared_conversation_logprobs(family, batch: ConversationBatch, conversation: PromptEmbeds,
                                  completion_ids: Tensor, completion_mask: Tensor, temperature: float = 1.0,
                                  with_entropy: bool = False, entropy_grad: bool = False, with_hidden: bool = False,
                                  chunk_tokens: int | None = None) -> CompletionOutput:
     """`conversation_logprobs` with each prompt through the decoder once for all the trajectories that start from it
-    (a group's G rows), as single-turn training shares a prompt (`completion_logprobs` with `rows`): the distinct
-    prompts are prefilled, their keys and values copied to their trajectories' rows, and each trajectory's tail
-    (its turns and observations, image features in place, at the positions its whole row has) runs after them.
-    The same math as running every whole row; rounding differs. `conversation` holds every row's embeddings."""
-    from vlmrl.models.kv_cache import select_rows  # transformers' cache classes, as family.new_cache
-
-    n, t = completion_ids.shape
-    device = conversation.embeds.device
-    groups, first, lengths = shared_prompts(batch)
-    width = conversation.embeds.shape[1]
-    c = torch.tensor(batch.completion_tokens, device=device)
-    # the distinct prompts, left-padded: prompt row g is the columns before row first[g]'s completion
-    p_width = max(lengths[r] for r in first)
-    p_cols = (width - c[first][:, None] - p_width + torch.arange(p_width, device=device)[None]).clamp(min=0)
-    p_real = torch.arange(p_width, device=device)[None] >= (p_width - torch.tensor([lengths[r] for r in first],
-                                                                                    device=device))[:, None]
-    firsts = torch.tensor(first, device=device)
-    p_embeds = conversation.embeds.index_select(0, firsts).gather(
-        1, p_cols[..., None].expand(-1, -1, conversation.embeds.shape[-1]))
-    p_mask = p_real.to(conversation.attention_mask.dtype)
-    p_pos = conversation.position_ids.index_select(1, firsts).gather(2, p_cols[None].expand(3, -1, -1))
-    p_pos = p_pos * p_real[None]
-    cache = family.new_cache()
-    last = family.forward_hidden(p_embeds, p_mask, p_pos, cache)[:, -1]
-    rows = torch.tensor(groups, device=device)
-    hidden = last.index_select(0, rows).unsqueeze(1)  # predicts each trajectory's first completion token
-    if t > 1:  # completion tokens 0..t-2 of each row (its own embeddings and positions) predict tokens 1..t-1
-        j = torch.arange(t - 1, device=device)[None]
-        cols = (width - c[:, None] + j).clamp(max=width - 1)
-        tail = conversation.embeds.gather(1, cols[..., None].expand(-1, -1, conversation.embeds.shape[-1]))
-        tail_pos = conversation.position_ids.gather(2, cols[None].expand(3, -1, -1))
-        tail_mask = (j < c[:, None]).to(p_mask.dtype)
-        select_rows(cache, rows)
-        mask = torch.cat([p_mask.index_select(0, rows), tail_mask], dim=1)
-        hidden = torch.cat([hidden, family.forward_hidden(tail, mask, tail_pos, cache)], dim=1)
+    (a group's G rows, `shared_prefill`), as single-turn training shares a prompt (`completion_logprobs` with
+    `rows`). `conversation` holds every row's embeddings."""
+    t = completion_ids.shape[1]
+    shared = shared_prefill(family, batch, conversation, t - 1)
+    hidden = shared.first.unsqueeze(1)  # predicts each trajectory's first completion token
+    if shared.tail is not None:  # completion tokens 0..t-2 predict tokens 1..t-1
+        hidden = torch.cat([hidden, shared.tail], dim=1)
     chunk = head_chunk_tokens(family) if chunk_tokens is None else chunk_tokens
     logprobs, entropy = token_scores(family.lm_head, hidden, completion_ids, completion_mask, temperature,
                                      with_entropy or entropy_grad, entropy_grad, chunk)

@@ -10,6 +10,11 @@ over a different number of rows. The loop records each sampled token's log-proba
 distribution (logits upcast to float32 first) — the same quantity the training forward recomputes; the update
 logs the gap between the two (rollout/logprob_gap_*).
 
+Multi-turn trajectories (vlmrl.agent) generate their later turns from whole conversations (a `ConversationBatch`,
+one row per trajectory): the prompt that a group's trajectories share is prefilled once and its keys and values
+copied to their rows, then each trajectory's turns and observations are prefilled after it
+(`vlmrl.models.forward.shared_prefill`), instead of every whole row. The distributions are the same up to rounding.
+
 Memory is bounded by a chunk of answers, as the log-prob passes are bounded by a chunk of tokens
 (vlmrl/models/forward.py): each token's float32 log-softmax, top-k/top-p filters and Gumbel noise are built for at
 most `chunk_rows` answers at a time (whole groups, so each prompt's stream draws exactly what it drew unchunked), and
@@ -28,7 +33,7 @@ import torch
 from torch import Tensor
 
 from vlmrl.models.batch import ConversationBatch, PromptBatch, concat_prompt_batches
-from vlmrl.models.forward import head_chunk_tokens
+from vlmrl.models.forward import head_chunk_tokens, shared_prefill
 from vlmrl.models.policy import Policy
 
 OnToken = Callable[[Tensor, Tensor], Tensor | None]  # (tokens [N], alive [N]) -> rows to end now, or None
@@ -172,8 +177,15 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
     pe = family.prompt_embeds(prompts)
     # the prompt is encoded (vision tower and prefill) once; each decoding step then runs one row per distinct
     # answer prefix (module docstring): `phys[n]` is answer n's row of `hidden` and of the cache
-    cache = family.new_cache(reserve=max_new_tokens)
-    hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache, pe.extras)[:, -1]
+    if isinstance(prompts, ConversationBatch) and not pe.extras:  # multi-turn: a group's prompt prefilled once
+        width = max(prompts.completion_tokens)
+        shared = shared_prefill(family, prompts, pe, width, reserve=max_new_tokens)
+        cache, base_mask = shared.cache, shared.attention_mask
+        last = torch.tensor(prompts.completion_tokens, device=pe.embeds.device) - 1
+        hidden = shared.tail[torch.arange(len(prompts), device=last.device), last] if width else shared.first
+    else:
+        cache, base_mask = family.new_cache(reserve=max_new_tokens), pe.attention_mask
+        hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache, pe.extras)[:, -1]
     n, device = len(index), pe.embeds.device
     phys = index.to(device)
     row_prompt = torch.arange(len(prompts), device=device)  # each computed row's prompt
@@ -236,7 +248,7 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
             cache.batch_select_indices(parent)
             row_prompt = row_prompt[parent]
         count = len(row_prompt)
-        mask = torch.cat([pe.attention_mask[row_prompt], pe.attention_mask.new_ones(count, t + 1)], dim=1)
+        mask = torch.cat([base_mask[row_prompt], base_mask.new_ones(count, t + 1)], dim=1)
         pos = (pe.next_position[row_prompt] + t).view(1, count, 1).expand(3, count, 1)
         hidden = family.forward_hidden(family.embed_tokens(step_tok[:, None]), mask, pos, cache)[:, -1]
     completion_ids = torch.stack(tokens, 1)
