@@ -42,4 +42,4 @@ def fallen_warning(start: dict, final: dict, mode: str = MODE) -> str | None:
     which = "; ".join(f"{t} {cell(before[t])} -> {cell(after[t])}" for t in fallen)
     return (f"{'task' if len(fallen) == 1 else 'tasks'} {', '.join(fallen)} fell during RL (held-out {mode} "
             f"accuracy after SFT -> after RL, below the start by more than the after-RL 95% interval): {which}. "
-            f"Its answers are in the run's eval_samples.jsonl; docs/evaluation.md, 'Tasks that fell', lists causes")
+            f"Every answer is in the run's eval_samples.jsonl; docs/evaluation.md, 'Tasks that fell', says where to look")
