@@ -362,6 +362,15 @@ def test_serve_command_line(run_dir, monkeypatch, capsys):
     limits = _limits(args)
     assert (limits.max_batch, limits.max_batch_tokens, limits.batch_wait_ms, limits.max_body_bytes) == \
         (4, 900, 2.0, 2**20) and limits.allow_remote_images
+    assert (limits.max_queue, limits.max_queue_bytes, limits.allow_private_image_hosts, limits.image_fetch_timeout) \
+        == (64, 2**30, False, 10.0)  # the defaults
+    limits = _limits(build_parser().parse_args(["serve", str(run_dir), "--max-queue", "3", "--max-queue-mb", "1.5",
+                                                "--allow-remote-images", "--allow-private-image-hosts",
+                                                "--image-fetch-timeout", "2"]))
+    assert (limits.max_queue, limits.max_queue_bytes, limits.allow_private_image_hosts, limits.image_fetch_timeout) \
+        == (3, int(1.5 * 2**20), True, 2.0)
+    assert main(["serve", str(run_dir), "--allow-private-image-hosts"]) == 2  # it widens remote images, which are off
+    assert "add --allow-remote-images too" in capsys.readouterr().err
     monkeypatch.delenv("VLMRL_NO_SUCH_KEY", raising=False)  # a server meant to need a key never starts without one
     assert main(["serve", str(run_dir), "--api-key-env", "VLMRL_NO_SUCH_KEY"]) == 2
     assert "VLMRL_NO_SUCH_KEY: the environment variable is not set" in capsys.readouterr().err
