@@ -16,15 +16,38 @@ import httpx
 import pytest
 import torch
 
-from tests.test_serve_chat import KEY, TEMPLATE, chat, client_for, model, run_dir, running, samples, user  # noqa: F401
+from tests.test_serve_chat import KEY, TEMPLATE, chat, client_for, running, user
 from vlmrl.cache import BoundedLRU
+from vlmrl.config import load_config
+from vlmrl.data import make_task
+from vlmrl.models import load_policy
 from vlmrl.models.families.processor import _token_row_bytes
 from vlmrl.serve.batcher import Decoder, Job, common_prefix, prompt_bytes, stable_window
 from vlmrl.serve.chat import _complete, chat_app, load_chat_model
 from vlmrl.serve.guard import RequestError, ServeLimits
 from vlmrl.serve.messages import ChatRequest, build_prompt
+from vlmrl.trainer.checkpoint import save_checkpoint
 
 ANSWER = "It 's a dog"  # what the model writes; transformers' clean-up decodes it as "It's a dog"
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory, tiny_model_dir):
+    """A checkpoint with its recipe (prompt template, eval length), as tests/test_serve_chat.py serves it."""
+    run = tmp_path_factory.mktemp("run")
+    cfg = load_config(None, [f"data.prompt_template='{TEMPLATE}'", "eval.max_new_tokens=6"])
+    save_checkpoint(run / "checkpoint-3", load_policy(tiny_model_dir), cfg, {"step": 3})
+    return run
+
+
+@pytest.fixture(scope="module")
+def model(run_dir):
+    return load_chat_model(run_dir, model_name="run")
+
+
+@pytest.fixture(scope="module")
+def samples():
+    return make_task("shapes_count", 4, "test", seed=0)
 
 
 def refuse(processor, text: str, max_prompt_length: int | None) -> RequestError:
@@ -269,10 +292,7 @@ def test_an_agentic_checkpoint_is_served_with_its_training_prompt(tmp_path, tiny
     """An agentic run puts its tools' descriptions in the system prompt (AgentSpec.from_config); the checkpoint
     keeps it, so the server's prompt is the training prompt, token for token."""
     from vlmrl.agent import AgentSpec
-    from vlmrl.config import load_config
-    from vlmrl.models import load_policy
     from vlmrl.rollout.batch import make_prompts
-    from vlmrl.trainer.checkpoint import save_checkpoint
 
     cfg = load_config(None, [f"data.prompt_template='{TEMPLATE}'", "agent.tools=[zoom]",
                              "data.max_prompt_length=2048"])  # the tiny tokenizer spells the tool schema long

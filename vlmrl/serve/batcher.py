@@ -42,6 +42,7 @@ from vlmrl.serve.guard import RequestError, ServeLimits
 
 log = logging.getLogger(__name__)
 
+
 def prompt_bytes(prompt: PromptBatch) -> int:
     """Bytes of every tensor a processed prompt holds (ids, masks, image tensors): what a waiting request pins."""
     total = 0

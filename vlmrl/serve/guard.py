@@ -27,7 +27,6 @@ import os
 import socket
 import ssl
 import threading
-import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
