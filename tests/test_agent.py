@@ -699,3 +699,19 @@ def test_later_turns_prefill_a_groups_prompt_once(policy, count_samples, monkeyp
     assert seen[0] <= prompts.input_ids.shape[1] * 2  # the two distinct prompts, not the four rows
     assert sum(seen[:2]) < conv.input_ids.numel()  # prompts once, then the tails: less than every whole row
     assert out.completion_ids.shape[0] == 4
+
+
+def test_the_system_prompt_follows_the_recipe_not_the_loaded_checkpoint(policy):
+    """An agentic checkpoint restores its tool prompt (for serving); a run from it prompts as its own recipe says."""
+    from vlmrl.agent.tools import tools_system_prompt
+
+    processor = policy.processor
+    processor.system_prompt = "an old checkpoint's tool prompt"
+    spec = AgentSpec.from_config(AgentConfig(tools=["zoom", "crop"]), processor)
+    assert spec is not None and processor.system_prompt == tools_system_prompt(spec.tools)
+    assert "crop" in processor.system_prompt
+    processor.system_prompt = "an old checkpoint's tool prompt"
+    assert AgentSpec.from_config(AgentConfig(), processor) is None and processor.system_prompt is None
+    processor.system_prompt = "an old checkpoint's tool prompt"
+    AgentSpec.from_config(AgentConfig(tools=["zoom"], system_prompt=False), processor)
+    assert processor.system_prompt is None

@@ -25,12 +25,15 @@ class AgentSpec:
 
     @classmethod
     def from_config(cls, cfg, processor) -> AgentSpec | None:
-        """None when the recipe's `agent` section is off (no tools, the built-in environment)."""
+        """None when the recipe's `agent` section is off (no tools, the built-in environment).
+
+        Sets the processor's system prompt from the recipe: the tools' descriptions when the agent is on with
+        `system_prompt`, else none, whatever a loaded checkpoint saved (an agentic checkpoint restores its tool
+        prompt for serving; a run from it follows its own recipe)."""
+        tools = resolve_tools(cfg.tools) if cfg.enabled else {}
+        processor.system_prompt = tools_system_prompt(tools) if cfg.enabled and cfg.system_prompt and tools else None
         if not cfg.enabled:
             return None
-        tools = resolve_tools(cfg.tools)
-        if cfg.system_prompt and tools and processor.system_prompt is None:
-            processor.system_prompt = tools_system_prompt(tools)
         limits = AgentLimits(cfg.max_turns, cfg.turn_tokens, cfg.max_total_tokens, cfg.max_images)
         return cls(limits, tools, resolve_env(cfg.env), processor.max_image_pixels())
 
