@@ -4,6 +4,37 @@
     python benchmarks/gpu_check.py --models 3b --engines hf        # a subset
     python benchmarks/gpu_check.py --set trainer.lr=1e-5            # KEY=VALUE passed to every training case
     python benchmarks/gpu_check.py --device cpu --tiny             # the same code with toy sizes (the CPU test)
+    timeout 480 python benchmarks/gpu_check.py --quick             # the first check on a GPU: under 8 minutes
+    python benchmarks/gpu_check.py --quick --device cpu --tiny     # its CPU dry run (a default test)
+
+The quick check (--quick)
+-------------------------
+The check to run first, on one GPU, in one command: the 3b model only (built here: Qwen2.5-VL-3B's published shapes,
+random weights, the real tokenizer and processor), full fine-tuning and LoRA with the built-in sampler in bf16 (the
+same training settings as the full check below), then the LoRA base-drift check (20 pushes), then the
+two vLLM cases only where `import vllm` works; no torchrun cases. Its planned time on one 80 GB H100/H200
+(QUICK_PLAN_S; not yet timed on a GPU):
+
+    job                  plan   what the time goes to
+    startup               15 s  importing torch and transformers, probing CUDA and vLLM
+    model build           45 s  3.75B bf16 parameters initialised on the GPU (~10 s), 7.5 GB of safetensors written
+                                (~20 s at 0.5 GB/s); reused on a later run, then ~0 s
+    3b/full/hf/1proc     130 s  process start and imports 15 s, loading 7.5 GB 15 s, held-out evaluation before and
+                                after 10 s, checkpoint-0 (7.5 GB) 15 s, 3 steps of 8 x 4 answers x 128 tokens 30 s,
+                                the final checkpoint with AdamW's state (~22 GB) 45 s
+    3b/lora/hf/1proc      90 s  start and load 30 s, evaluation 10 s, 3 steps 30 s, checkpoints (adapters) 5 s,
+                                merging margin 15 s
+    LoRA base drift       40 s  loading 3B into this process 15 s, 20 pushes to the stand-in 10 s, margin
+    ---------------------------
+    total                320 s  (5.3 min) of the --budget of 450 s (7.5 min); with vLLM, each vLLM case
+                                plans 150 s more and runs only if the budget still covers it
+
+--budget (default 450 s with --quick on a GPU) enforces the plan: a job starts only while the time left
+covers its plan, a case's timeout is the time left, and a job that does not fit is reported skipped with the reason.
+The JSON and the table (the JSON's path with .txt) are rewritten before and after every job, and SIGTERM (what
+`timeout` sends) or Ctrl-C stops the running case's processes and writes both once more: a run stopped at its time
+limit reports every case that finished. `--quick --device cpu --tiny` runs the same jobs with toy sizes
+(SETTINGS["tiny-quick"], 5 pushes, no budget); tests/test_gpu_check.py runs it, ~30 s of CPU time.
 
 What it does
 ------------
@@ -146,7 +177,15 @@ SETTINGS = {
             "pixels": 448 * 448, "micro_batch": 8, "timeout": 900, "dtype": "bfloat16"},
     "tiny": {"steps": 2, "prompts": 2, "group_size": 2, "max_new_tokens": 8, "eval_n": 2, "eval_tokens": 8,
              "pixels": None, "micro_batch": 0, "timeout": 300, "dtype": "float32"},
+    # --quick --tiny: the least that still gives every figure (the default test runs it)
+    "tiny-quick": {"steps": 2, "prompts": 2, "group_size": 2, "max_new_tokens": 8, "eval_n": 1, "eval_tokens": 8,
+                   "pixels": None, "micro_batch": 0, "timeout": 300, "dtype": "float32"},
 }
+# --quick: planned seconds on one 80 GB H100/H200 (module docstring, "The quick check"); a job starts only while
+# the time left in --budget covers its plan, and a case's timeout is the time left
+QUICK_BUDGET_S = 450
+QUICK_PLAN_S = {"startup": 15, "build": 45, "full": 130, "lora": 90, "drift": 40, "vllm": 150}
+QUICK_PUSHES = 20
 
 
 # -- the reward that gives random answers different scores ----------------------------------------------------------
@@ -271,11 +310,14 @@ def case_name(model: str, mode: str, engine: str, nproc: int, launcher: str) -> 
 
 
 def plan_cases(args, env: dict) -> list[dict]:
-    """Every case of the matrix, the ones that cannot run here already marked skipped with the reason."""
+    """Every case of the matrix, the ones that cannot run here already marked skipped with the reason. --quick: one
+    process per case (no torchrun), the built-in sampler's cases before the vLLM ones."""
     cuda = args.device.startswith("cuda")
     gpus = len(env["gpus"])
     launchers = [("single", 1)]
-    if cuda:
+    if args.quick:
+        pass
+    elif cuda:
         launchers.append(("torchrun", gpus))
     else:
         launchers.append(("torchrun", args.nproc or 2))
@@ -301,7 +343,24 @@ def plan_cases(args, env: dict) -> list[dict]:
                         case["nproc"] = min(args.nproc, gpus) if gpus else args.nproc
                         case["name"] = case_name(model, mode, engine, case["nproc"], launcher)
                     cases.append(case)
+    if args.quick:  # the vLLM cases last: a run stopped at its time limit has the sampler's cases and the drift
+        cases.sort(key=lambda c: c["engine"] == "vllm")
     return cases
+
+
+def budget_skip(args, start: float, job: str) -> str | None:
+    """With --budget: why `job` (a QUICK_PLAN_S key) must not start now, or None when the time left covers its plan."""
+    if args.budget is None:
+        return None
+    left = args.budget - (time.perf_counter() - start)
+    plan = QUICK_PLAN_S[job]
+    if left < plan:
+        return f"time budget: {max(left, 0):.0f} s left of --budget {args.budget:.0f}, this job plans {plan} s"
+    return None
+
+
+def time_left(args, start: float) -> float | None:
+    return None if args.budget is None else max(args.budget - (time.perf_counter() - start), 1.0)
 
 
 def reward_override() -> str:
@@ -480,8 +539,10 @@ def case_problems(figures: dict, rc: int | None, steps: int, cuda: bool, max_gap
     return problems
 
 
-def run_case(case: dict, s: dict, args, model_info: dict, work: Path, gpu_gb: float | None) -> dict:
-    """Run one training case (unless skipped) and fill in its status and figures."""
+def run_case(case: dict, s: dict, args, model_info: dict, work: Path, gpu_gb: float | None,
+             left: float | None = None) -> dict:
+    """Run one training case (unless skipped) and fill in its status and figures; `left`: the seconds the --budget
+    still allows (the case's timeout when shorter than --timeout)."""
     slug = case["name"].replace("/", "_")
     run_dir = Path(args.runs_dir) / slug
     overrides = case_overrides(case, s, args, model_info["folder"], run_dir)
@@ -506,7 +567,8 @@ def run_case(case: dict, s: dict, args, model_info: dict, work: Path, gpu_gb: fl
     metrics_copy = work / "metrics" / f"{slug}.jsonl"
     metrics_copy.unlink(missing_ok=True)  # a previous run's figures must never stand in for this one's
     log = work / "logs" / f"{slug}.log"
-    rc, seconds = run_process(case["command"], log, args.timeout or s["timeout"], child_env())
+    timeout = min(args.timeout or s["timeout"], left or math.inf)
+    rc, seconds = run_process(case["command"], log, timeout, child_env())
     text = log.read_text(errors="replace")
     if (run_dir / "metrics.jsonl").exists():
         shutil.copyfile(run_dir / "metrics.jsonl", metrics_copy)
@@ -515,7 +577,7 @@ def run_case(case: dict, s: dict, args, model_info: dict, work: Path, gpu_gb: fl
                 metrics_file=str(metrics_copy) if metrics_copy.exists() else None)
     problems = []
     if rc is None:
-        problems.append(f"timed out after {args.timeout or s['timeout']} s (--timeout)")
+        problems.append(f"timed out after {timeout:.0f} s (--timeout" + (", --budget)" if left else ")"))
     elif rc != 0:
         problems.append(f"exit code {rc}: {last_error_line(text)}")
     problems += case_problems(figures, rc, s["steps"], args.device.startswith("cuda"), args.max_gap_mean)
@@ -561,15 +623,24 @@ def table(report: dict) -> str:
                          f"{d.get('pushed_changed', 0)} differ from their base weight)"
                          + (f"; {d['error']}" if d.get("error") else ""))
     lines.append("")
-    lines.append(("OK" if report["ok"] else "FAILED: " + ", ".join(report["failed"])) + f"  ({report['out']})")
+    if report.get("stopped"):
+        verdict = f"STOPPED ({report['stopped']}); finished cases above" + \
+                  (", failed: " + ", ".join(report["failed"]) if report["failed"] else "")
+    elif report.get("running"):
+        verdict = f"RUNNING ({report['running']})" + (", failed: " + ", ".join(report["failed"]) if report["failed"]
+                                                      else "")
+    else:
+        verdict = "OK" if report["ok"] else "FAILED: " + ", ".join(report["failed"])
+    lines.append(f"{verdict}  ({report['out']}, wall {report.get('wall_s') or 0:.0f} s)")
     return "\n".join(lines)
 
 
 def finish(report: dict, start: float) -> dict:
-    failed = [c["name"] for c in report["cases"] if c["status"] not in ("ok", "skipped", "pending")]
+    failed = [c["name"] for c in report["cases"] if c["status"] not in ("ok", "skipped", "pending", "stopped")]
     if report.get("drift") and report["drift"]["status"] == "failed":
         failed.append("lora-drift")
-    report.update(ok=not failed, failed=failed, wall_s=round(time.perf_counter() - start, 1))
+    report.update(ok=not failed and not report.get("stopped"), failed=failed,
+                  wall_s=round(time.perf_counter() - start, 1))
     return report
 
 
@@ -579,12 +650,34 @@ def write_json(report: dict, path: Path) -> None:
     tmp.replace(path)
 
 
+def write_report(report: dict, start: float, path: Path, running: str | None = None) -> None:
+    """The JSON and the table (PATH with .txt), rewritten whole after every job: a run stopped at any moment leaves
+    every finished case in both."""
+    report["running"] = running
+    finish(report, start)
+    write_json(report, path)
+    tmp = path.with_suffix(".txt.tmp")
+    tmp.write_text(table(report) + "\n")
+    tmp.replace(path.with_suffix(".txt"))
+
+
+def _stop_on_sigterm(signum, frame):
+    raise KeyboardInterrupt  # `timeout 480 python gpu_check.py --quick`: stop the case's processes, keep the report
+
+
 def parse_args(argv: list[str] | None = None):
     p = argparse.ArgumentParser(
         prog="python benchmarks/gpu_check.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="where to train (default cuda)")
     p.add_argument("--tiny", action="store_true", help="toy model sizes and settings (the CPU dry run)")
+    p.add_argument("--quick", action="store_true",
+                   help="the first check on one GPU, under 8 minutes: 3b, full and LoRA, the built-in sampler (vLLM "
+                        f"where it imports), no torchrun, {QUICK_PUSHES} drift pushes, --budget {QUICK_BUDGET_S}")
+    p.add_argument("--budget", type=float,
+                   help=f"seconds for the whole check: a job starts only while the time left covers its plan, a "
+                        f"case's timeout is the time left (default with --quick on a GPU: {QUICK_BUDGET_S}; "
+                        f"otherwise none)")
     p.add_argument("--models", nargs="+", choices=sorted(MODELS), default=None,
                    help="published configs to check (default: 3b 7b; with --tiny: 3b)")
     p.add_argument("--modes", nargs="+", choices=["full", "lora"], default=["full", "lora"])
@@ -596,7 +689,8 @@ def parse_args(argv: list[str] | None = None):
     p.add_argument("--dtype", choices=["bfloat16", "float32"], help="model.dtype (default bfloat16; --tiny float32)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a `vlmrl train` override passed to every case, after the check's own (repeatable)")
-    p.add_argument("--pushes", type=int, default=100, help="weight pushes of the drift check (0 skips it)")
+    p.add_argument("--pushes", type=int, help=f"weight pushes of the drift check (0 skips it; default 100, --quick "
+                                                f"{QUICK_PUSHES}, --quick --tiny 5)")
     p.add_argument("--timeout", type=float, help="seconds per case (default 900; --tiny 300)")
     p.add_argument("--nproc", type=int, help="processes per torchrun case (default: every GPU; CPU: 2)")
     p.add_argument("--torchrun-cpu", action="store_true", help="with --device cpu, also run the torchrun cases (gloo)")
@@ -612,7 +706,11 @@ def parse_args(argv: list[str] | None = None):
     args = p.parse_args(argv)
     if args.torchrun_cpu and args.device != "cpu":
         p.error("--torchrun-cpu goes with --device cpu")
-    args.models = args.models or (["3b"] if args.tiny else ["3b", "7b"])
+    args.models = args.models or (["3b"] if args.tiny or args.quick else ["3b", "7b"])
+    if args.pushes is None:
+        args.pushes = (5 if args.tiny else QUICK_PUSHES) if args.quick else 100
+    if args.budget is None and args.quick and not args.tiny:
+        args.budget = QUICK_BUDGET_S
     for item in args.set:
         if "=" not in item:
             p.error(f"--set {item!r}: expected KEY=VALUE")
@@ -622,6 +720,7 @@ def parse_args(argv: list[str] | None = None):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
+    signal.signal(signal.SIGTERM, _stop_on_sigterm)
     work = Path(args.work).resolve()
     for sub in ("models", "logs", "metrics"):
         (work / sub).mkdir(parents=True, exist_ok=True)
@@ -629,7 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.runs_dir).mkdir(parents=True, exist_ok=True)
     out_path = Path(args.out).resolve() if args.out else work / "gpu_check.json"
     out_path.parent.mkdir(parents=True, exist_ok=True)
-    s = dict(SETTINGS["tiny" if args.tiny else "gpu"])
+    s = dict(SETTINGS[("tiny-quick" if args.quick else "tiny") if args.tiny else "gpu"])
     for key, value in (("steps", args.steps), ("prompts", args.prompts), ("group_size", args.group_size),
                        ("max_new_tokens", args.max_new_tokens), ("dtype", args.dtype)):
         if value is not None:
@@ -652,17 +751,56 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     env = environment(args.device)
-    report = {"ok": False, "failed": [], "device": args.device, "tiny": args.tiny, "out": str(out_path),
+    report = {"ok": False, "failed": [], "device": args.device, "tiny": args.tiny, "quick": args.quick,
+              "out": str(out_path), "table": str(out_path.with_suffix(".txt")),
               "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": [sys.executable, *sys.argv], "environment": env,
               "settings": {**s, "lora_r": LORA_R, "pushes": args.pushes, "max_gap_mean": args.max_gap_mean,
-                           "set": list(args.set), "work": str(work), "runs_dir": args.runs_dir},
-              "models": {}, "cases": plan_cases(args, env), "drift": None}
+                           "budget_s": args.budget, "set": list(args.set), "work": str(work),
+                           "runs_dir": args.runs_dir},
+              "stopped": None, "models": {}, "cases": plan_cases(args, env), "drift": None}
     gpu_gb = env["gpus"][0]["memory_gb"] if env["gpus"] else None
-    print(f"gpu_check: {args.device}{' --tiny' if args.tiny else ''}, models {' '.join(args.models)}, "
-          f"{sum(c['status'] != 'skipped' for c in report['cases'])} of {len(report['cases'])} cases to run; "
-          f"GPUs: {', '.join(g['name'] for g in env['gpus']) or 'none'}; vLLM: {env['vllm'] or env['vllm_error']}",
-          flush=True)
+    print(f"gpu_check{' --quick' if args.quick else ''}: {args.device}{' --tiny' if args.tiny else ''}, models "
+          f"{' '.join(args.models)}, {sum(c['status'] != 'skipped' for c in report['cases'])} of "
+          f"{len(report['cases'])} cases to run{f', budget {args.budget:.0f} s' if args.budget else ''}; "
+          f"GPUs: {', '.join(g['name'] for g in env['gpus']) or 'none'}; vLLM: {env['vllm'] or env['vllm_error']}; "
+          f"report: {out_path} and {out_path.with_suffix('.txt')}", flush=True)
+    write_report(report, start, out_path, running="building the model folder")
+
+    def run_one(case, info):
+        if "error" in info:
+            if case["status"] != "skipped":
+                case.update(status="failed", error=f"model folder: {info['error']}",
+                            problems=[f"model folder: {info['error']}"])
+            return
+        if case["status"] != "skipped":
+            reason = budget_skip(args, start, "vllm" if case["engine"] == "vllm" else case["mode"])
+            if reason:
+                case.update(status="skipped", reason=reason)
+        print(f"  {case['name']:28s} ...", end="", flush=True)
+        write_report(report, start, out_path, running=case["name"])
+        run_case(case, s, args, info, work, gpu_gb, left=time_left(args, start))
+        note = case.get("reason") or case.get("error") or ""
+        print(f" {case['status']}" + (f" in {case['wall_s']:.0f} s" if case.get("wall_s") else "")
+              + (f": {note}" if note else ""), flush=True)
+        write_report(report, start, out_path)
+
+    def drift(info):
+        if "error" in info:
+            report["drift"] = {"status": "failed", "model": info["name"], "reason": None,
+                               "error": f"model folder: {info['error']}", "problems": ["model folder"]}
+            return
+        reason = budget_skip(args, start, "drift") if args.pushes > 0 else None
+        if reason:
+            report["drift"] = {"status": "skipped", "model": info["name"], "reason": reason, "error": None,
+                               "problems": []}
+        else:
+            print(f"  LoRA base drift ({args.pushes} pushes) ...", end="", flush=True)
+            write_report(report, start, out_path, running="LoRA base drift")
+            report["drift"] = run_drift(args, info, env["vllm"])
+            print(f" {report['drift']['status']}", flush=True)
+        write_report(report, start, out_path)
+
     try:
         for model in args.models:
             t0 = time.perf_counter()
@@ -677,33 +815,32 @@ def main(argv: list[str] | None = None) -> int:
                                         f"{'tied' if info['tie_word_embeddings'] else 'untied'} head, "
                                         f"{'reused' if info['reused'] else 'built'} in "
                                         f"{time.perf_counter() - t0:.0f} s: {info['folder']}"), flush=True)
-            for case in (c for c in report["cases"] if c["model"] == model):
-                if "error" in info:
-                    if case["status"] != "skipped":
-                        case.update(status="failed", error=f"model folder: {info['error']}",
-                                    problems=[f"model folder: {info['error']}"])
-                    continue
-                print(f"  {case['name']:28s} ...", end="", flush=True)
-                run_case(case, s, args, info, work, gpu_gb)
-                note = case.get("reason") or case.get("error") or ""
-                print(f" {case['status']}" + (f" in {case['wall_s']:.0f} s" if case.get("wall_s") else "")
-                      + (f": {note}" if note else ""), flush=True)
-                write_json(finish(report, start), out_path)
-        first = report["models"].get(args.models[0], {})
-        if "error" in first:
-            report["drift"] = {"status": "failed", "model": args.models[0], "reason": None,
-                               "error": f"model folder: {first['error']}", "problems": ["model folder"]}
-        else:
-            print(f"  LoRA base drift ({args.pushes} pushes) ...", end="", flush=True)
-            report["drift"] = run_drift(args, first, env["vllm"])
-            print(f" {report['drift']['status']}", flush=True)
+            cases = [c for c in report["cases"] if c["model"] == model]
+            # --quick: the drift check right after the sampler's cases, before vLLM's (which start an engine each)
+            first_vllm = next((i for i, c in enumerate(cases) if c["engine"] == "vllm"), len(cases)) \
+                if args.quick else len(cases)
+            for case in cases[:first_vllm]:
+                run_one(case, info)
+            if model == args.models[0]:
+                drift(info)
+            for case in cases[first_vllm:]:
+                run_one(case, info)
     except KeyboardInterrupt:
-        finish(report, start)
-        write_json(report, out_path)
-        print("\ninterrupted; partial results in " + str(out_path), file=sys.stderr)
+        report["stopped"] = f"interrupted after {time.perf_counter() - start:.0f} s"
+        for case in report["cases"]:
+            if case["status"] == "pending" and case["name"] == report.get("running"):
+                case.update(status="stopped", reason="stopped while it ran")
+            elif case["status"] == "pending":
+                case.update(status="skipped", reason="not run: the check was stopped")
+        if report["drift"] is None and report.get("running") == "LoRA base drift":
+            report["drift"] = {"status": "skipped", "model": args.models[0], "reason": "stopped while it ran",
+                               "error": None, "problems": []}
+        report["running"] = None
+        write_report(report, start, out_path)
+        print("\n" + table(report))
+        print(f"\nstopped; the finished cases are in {out_path} and {out_path.with_suffix('.txt')}", file=sys.stderr)
         return 130
-    finish(report, start)
-    write_json(report, out_path)
+    write_report(report, start, out_path)
     print()
     print(table(report))
     return 0 if report["ok"] else 1

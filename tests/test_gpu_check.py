@@ -77,9 +77,102 @@ def test_cpu_dry_run_passes_and_reports_every_figure(dry_run):
     assert "LoRA base drift" in proc.stdout and "3b/full/hf/1proc" in proc.stdout
 
 
+# -- the quick check ----------------------------------------------------------------------------------------------
+def test_quick_cpu_tiny_passes_and_writes_json_and_table(tmp_path):
+    """`--quick --device cpu --tiny`: full fine-tuning and LoRA with the built-in sampler, the drift check, vLLM cases
+    skipped with their reason, no torchrun cases; the JSON and the table on disk (~30 s of CPU)."""
+    out = tmp_path / "quick.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--quick", "--work",
+                           str(tmp_path), "--out", str(out)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["quick"] is True and report["stopped"] is None
+    assert report["settings"]["pushes"] == 5 and report["settings"]["budget_s"] is None
+    assert list(report["models"]) == ["3b"] and report["models"]["3b"]["vocab_size"] == 151936
+    assert all(c["launcher"] == "single" for c in report["cases"])
+    assert [(c["mode"], c["engine"]) for c in report["cases"]] == [("full", "hf"), ("lora", "hf"), ("full", "vllm"),
+                                                                   ("lora", "vllm")]
+    for case in report["cases"][:2]:
+        assert case["status"] == "ok", case
+        assert case["tokens_per_second_per_gpu"] > 0 and case["step_time_s"] > 0
+        assert 0 <= case["logprob_gap_mean"] < 1e-3 and case["grad_norm"] > 0
+    assert all(c["status"] == "skipped" and c["reason"] for c in report["cases"][2:])
+    assert report["drift"]["status"] == "ok" and report["drift"]["max_abs_drift"] == 0.0
+    assert report["drift"]["tensors_pushed"] == 5 * report["drift"]["tensors_per_push"] > 0
+    text = out.with_suffix(".txt").read_text()
+    assert "3b/full/hf/1proc" in text and "3b/lora/hf/1proc" in text and "LoRA base drift" in text
+    assert text.strip().splitlines()[-1].startswith("OK")
+
+
+def _stub_main(monkeypatch, tmp_path, run_case):
+    """gpu_check.main with the model build, the cases and the drift check stubbed (the loop and the report only)."""
+    monkeypatch.setattr(gpu_check, "build_model_folder", lambda folder, name, *a, **k: {
+        "name": name, "folder": str(folder), "params": 1, "vocab_size": 151936, "tie_word_embeddings": True,
+        "reused": True})
+    monkeypatch.setattr(gpu_check, "run_case", run_case)
+    monkeypatch.setattr(gpu_check, "run_drift", lambda args, info, v: {"status": "ok", "model": info["name"],
+                                                                       "engine": "stub", "max_abs_drift": 0.0})
+    monkeypatch.setattr(gpu_check, "environment", lambda device: {"gpus": [], "vllm": None, "vllm_error": "no vllm"})
+    out = tmp_path / "r.json"
+    return out, ["--device", "cpu", "--tiny", "--quick", "--work", str(tmp_path), "--out", str(out)]
+
+
+def test_quick_stopped_mid_case_keeps_every_finished_case(monkeypatch, tmp_path):
+    """A check stopped at its time limit (SIGTERM, as from `timeout`, arrives as KeyboardInterrupt) still reports
+    every case that finished, in the JSON and the table, and marks the one it stopped."""
+    seen = []
+
+    def run_case(case, s, args, info, work, gpu_gb, left=None):
+        on_disk = json.loads((tmp_path / "r.json").read_text())  # written before each case starts
+        seen.append([c["status"] for c in on_disk["cases"]])
+        if case["status"] == "skipped":
+            return case
+        if case["mode"] == "lora":
+            raise KeyboardInterrupt
+        case.update(status="ok", wall_s=1.0, tokens_per_second_per_gpu=5.0)
+        return case
+
+    out, argv = _stub_main(monkeypatch, tmp_path, run_case)
+    assert gpu_check.main(argv) == 130
+    assert seen[1][0] == "ok"  # the first case's result was on disk before the second one started
+    report = json.loads(out.read_text())
+    assert report["ok"] is False and report["stopped"].startswith("interrupted")
+    assert [c["status"] for c in report["cases"]] == ["ok", "stopped", "skipped", "skipped"]
+    assert report["cases"][0]["tokens_per_second_per_gpu"] == 5.0
+    text = out.with_suffix(".txt").read_text()
+    assert "3b/full/hf/1proc             ok" in text and "STOPPED" in text
+
+
+def test_quick_budget_skips_what_does_not_fit(monkeypatch, tmp_path):
+    """With --budget a job starts only while the time left covers its plan, and a case may run for the time left."""
+    ran, plan = [], gpu_check.QUICK_PLAN_S
+    clock = type("Clock", (), {"now": 0.0, "perf_counter": lambda self: self.now})()
+    monkeypatch.setattr(gpu_check, "time", clock)
+
+    def run_case(case, s, args, info, work, gpu_gb, left=None):
+        if case["status"] != "skipped":
+            ran.append((case["name"], left))
+            clock.now += plan["full"]  # the full case takes its planned time
+            case.update(status="ok")
+        return case
+
+    out, argv = _stub_main(monkeypatch, tmp_path, run_case)
+    budget = plan["full"] + plan["drift"] - 10  # after the full case: less than LoRA's plan and the drift's
+    assert gpu_check.main(argv + ["--budget", str(budget)]) == 0  # the full case fits, then LoRA's plan does not
+    assert ran == [("3b/full/hf/1proc", budget)]
+    report = json.loads(out.read_text())
+    lora = report["cases"][1]
+    assert lora["status"] == "skipped" and lora["reason"].startswith("time budget")
+    assert report["drift"]["status"] == "skipped" and "time budget" in report["drift"]["reason"]
+    # planned GPU time of the quick check (module docstring): under 8 minutes with vLLM absent
+    assert plan["startup"] + plan["build"] + plan["full"] + plan["lora"] + plan["drift"] <= gpu_check.QUICK_BUDGET_S
+    assert gpu_check.QUICK_BUDGET_S < 8 * 60
+
+
 def test_help_works():
     proc = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--tiny" in proc.stdout and "max_abs_drift" in proc.stdout
+    assert "--quick" in proc.stdout and "--budget" in proc.stdout
 
 
 # -- the drift measure and the drift check ------------------------------------------------------------------------
