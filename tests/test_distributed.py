@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,10 +21,10 @@ REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for 
 
 
 def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None, extra: tuple = (),
-        checkpoint: str = "checkpoint-2") -> dict:
+        checkpoint: str = "checkpoint-2", recipe: str = GRPO) -> dict:
     reward = tmp_path / "varied_reward.py"
     reward.write_text(REWARD)
-    args = ["-m", "vlmrl", "train", GRPO, *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}", "trainer.save_every=1",
+    args = ["-m", "vlmrl", "train", recipe, *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}", "trainer.save_every=1",
             f"trainer.distributed={mode}", f"rewards=[{{name: '{reward}:score'}}]", *extra]
     args += ["--resume", str(tmp_path / name / resume)] if resume else []
     if nproc > 1:
@@ -149,3 +150,47 @@ def test_dynamic_sampling_and_curriculum_under_torchrun_match_one_process(tmp_pa
     assert all(m["curriculum/filtered_unsolved"] == int(m["curriculum/filtered_unsolved"]) > 0 for m in steps)
     assert steps[-1]["curriculum/groups_filtered"] > 0
     assert any(m["dynamic_sampling/padding_ranks"] > 0 for m in steps)  # a rank held only padding
+
+
+# every first message gets the sample's image back and the second ends the episode, so the small model's episodes
+# have two turns (an image in the observation) whatever it writes
+LOOK_AGAIN = '''from vlmrl.agent.env import Observation
+
+
+class LookAgain:
+    def __init__(self, sample, tools, context):
+        self.context, self.turns = context, 0
+
+    def step(self, message):
+        self.turns += 1
+        if self.turns > 1:
+            return Observation(done=True)
+        return Observation([{"type": "text", "text": "look"}, {"type": "image", "image": self.context.images[0]}])
+
+
+def make_env(sample, tools, context):
+    return LookAgain(sample, tools, context)
+'''
+AGENT = str(Path(GRPO).parent / "agentic_zoom.yaml")
+
+
+@pytest.mark.slow  # ~2-3 min per mode on 2 cores
+@pytest.mark.parametrize("mode", ["fsdp2", "ddp"])
+def test_agents_under_torchrun_match_one_process(tmp_path, mode):
+    """The agentic recipe under torchrun: each rank runs its prompts' turns with no collective inside the turn loop
+    (ranks end with different numbers of turns and images), the conversations go through the wrapped training
+    forward, and 2 ranks end where one process does."""
+    env = tmp_path / "look_again.py"
+    env.write_text(LOOK_AGAIN)
+    extra = ("trainer.steps=2", "sft.steps=40", "sft.lr=3e-3", "agent.turn_tokens=48", "rollout.max_new_tokens=48",
+             "rollout.prompts_per_step=4", "rollout.group_size=4", "algorithm.dynamic_sampling=false",
+             f"agent.env={env}:make_env")
+    one = run(tmp_path, "agent-single", "none", 1, extra=extra, recipe=AGENT)
+    two = run(tmp_path, f"agent-{mode}", mode, 2, extra=extra, recipe=AGENT)
+    start = weights(tmp_path / "agent-single" / "checkpoint-0")
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
+    for k in one:
+        assert torch.allclose(one[k], two[k], atol=2e-5), (k, (one[k] - two[k]).abs().max().item())
+    logged = [json.loads(line) for line in (tmp_path / f"agent-{mode}" / "metrics.jsonl").read_text().splitlines()]
+    turns = [m["agent/turns_per_episode"] for m in logged if "agent/turns_per_episode" in m and m["phase"] == "train"]
+    assert len(turns) == 2 and max(turns) > 1.0  # multi-turn episodes ran under torchrun

@@ -296,6 +296,9 @@ def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, c
     check_distributed(quickstart, DistInfo("ddp", 0, 2, 0, "cpu"))
     plain = Config()
     check_distributed(plain, DistInfo("ddp", 0, 2, 0, "cpu"))  # plain GRPO runs under DDP
+    agentic = load_config(QUICKSTART.parents[2] / "recipes" / "agentic_zoom.yaml")
+    assert agentic.agent.enabled
+    check_distributed(agentic, DistInfo("fsdp2", 0, 2, 0, "cpu"))  # agents run under torchrun
     plain.rollout.prompts_per_step = 3
     with pytest.raises(ConfigError, match="rollout.prompts_per_step=3 must be a multiple of the number of processes"):
         check_distributed(plain, DistInfo("ddp", 0, 2, 0, "cpu"))

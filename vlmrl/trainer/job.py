@@ -148,11 +148,11 @@ def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
     unsupported = [name for name, used in (
         ("a critic (algorithm.advantage=gae)", algo.advantage == "gae"),
         ("offline DPO (data.preferences)", cfg.data.preferences is not None),
-        ("SFT replay (replay.weight)", cfg.replay.weight > 0),
-        ("agents (agent.enabled)", cfg.agent.enabled)) if used]
+        ("SFT replay (replay.weight)", cfg.replay.weight > 0)) if used]
     if unsupported:
         raise ConfigError(f"trainer.distributed={dist_info.mode} with {dist_info.world} processes supports the GRPO "
-                         f"family, RLOO, REINFORCE++, ReMax and online DPO, with dynamic sampling and the curriculum, "
+                         f"family, RLOO, REINFORCE++, ReMax and online DPO, with dynamic sampling, the curriculum "
+                         f"and agents, "
                          f"so far; this config uses "
                          f"{', '.join(unsupported)}: turn it off, or run in one process (without torchrun)")
     shard(cfg.rollout.prompts_per_step, dist_info)  # every rank takes the same number of prompts
