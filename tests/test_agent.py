@@ -610,9 +610,13 @@ def test_noisy_demonstrations_zoom_elsewhere_on_the_same_boards():
     on = [n["demonstration"] == c["demonstration"] for c, n in zip(clean, noisy, strict=True)]
     assert 0.4 < sum(on) / len(on) < 0.6  # about half zoom on the target cell
     for c, n, hit in zip(clean, noisy, on, strict=True):
-        assert n["demonstration"][1] == c["demonstration"][1]  # the answer stays right
-        if not hit:  # another whole cell
-            assert n["demonstration"][0].startswith('<tool_call>{"name":"zoom"')
+        assert n["solution"] == c["solution"]  # the label stays the target's shape
+        if not hit:  # another whole cell, and the shape that cell shows (what the zoom returns)
+            assert n["demonstration"][0].startswith('<tool_call>{"name":"zoom"') and n["demonstration"][0] != \
+                c["demonstration"][0]
+    shown = sum(n["demonstration"][1] == c["demonstration"][1] for c, n, hit in zip(clean, noisy, on, strict=True)
+                if not hit)
+    assert shown < sum(not h for h in on)  # off-target demonstrations name another cell's shape (1 in 3 agree)
     with pytest.raises(DataError, match="demo_on_target"):
         make_task("zoom_shape", 2, "train", seed=0, demo_on_target=1.5)
 

@@ -64,8 +64,9 @@ def zoom_shape(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample
 
     Options: ``grid`` (cells per side), ``cell`` (px), ``shape_px`` ([min, max] shape size in px),
     ``demo_on_target`` (the share of demonstrations that zoom on the target cell; the others zoom on another cell,
-    drawn uniformly, and still answer right: an SFT start that finds the cell only by chance, for RL to teach where
-    to look). The boards do not depend on ``demo_on_target``: the same seed gives the same boards for every share."""
+    drawn uniformly, and name the shape that cell shows: an SFT start that reads a zoomed cell but finds the target
+    only by chance, for RL to teach where to look). The boards do not depend on ``demo_on_target``: the same seed
+    gives the same boards for every share."""
     task = "zoom_shape"
     check_split(task, split)
     opts = resolve_options(task, options, ZOOM_OPTIONS)
@@ -96,15 +97,17 @@ def zoom_shape(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample
             raise DataError(f"task {task!r}: found no {split} board in 1000 draws")
         box = cell_box(target, grid, cell)
         answer = shapes[target][0]
-        looked = box
+        looked = target
         if on_target < 1.0:  # a demonstration that zooms elsewhere, from a stream of its own (boards unchanged)
             demo_rng = task_rng(task, split, seed, f"{tag}/demo", index)
             if demo_rng.random() >= on_target:
-                looked = cell_box(demo_rng.choice([i for i in range(grid * grid) if i != target]), grid, cell)
+                looked = demo_rng.choice([i for i in range(grid * grid) if i != target])
         samples.append({
             "id": f"{task}{tag}/{split}/{index}", "images": [render_board(grid, cell, target, shapes)],
             "problem": PROBLEM, "solution": answer, "answer_type": "text", "task": task,
             "target_box": format_box(box), "width": grid * cell, "height": grid * cell,
-            "demonstration": [tool_call("zoom", {"box": looked}), f"<answer>{answer}</answer>"],
+            # (zoom on a cell, name the shape the zoom shows: the target's, unless demo_on_target sent it elsewhere)
+            "demonstration": [tool_call("zoom", {"box": cell_box(looked, grid, cell)}),
+                              f"<answer>{shapes[looked][0]}</answer>"],
         })
     return samples
