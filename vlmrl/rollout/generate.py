@@ -102,6 +102,8 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
     temperature == 0 is greedy decoding (log-probs then at temperature 1). top-k / top-p restrict what is sampled;
     the returned log-probs stay those of the unrestricted tempered distribution, which is what training recomputes.
     `rows` [N]: sample N tokens, token n from logits row rows[n] (answers that share a prefix share their logits).
+    `uniform` [N, vocab] (Gumbel-max noise instead of `generator`) is overwritten: the caller's buffer, refilled for
+    every token.
     """
     logits = logits.float()
     if temperature <= 0:
@@ -109,7 +111,7 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
         logp = torch.log_softmax(logits, -1).gather(-1, tokens[:, None]).squeeze(-1)
         return (tokens, logp) if rows is None else (tokens[rows], logp[rows])
     # [rows, vocab] temporaries are few and updated in place: with a real vocabulary each is ~0.6 MB per row
-    logp = torch.log_softmax(logits / temperature, -1)
+    logp = torch.log_softmax(logits if temperature == 1 else logits / temperature, -1)  # (x / 1 is x: one copy less)
     if rows is not None:
         logp = logp[rows]
     filtered = logp
@@ -123,7 +125,7 @@ def sample_tokens(logits: Tensor, temperature: float, top_k: int = 0, top_p: flo
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         filtered = filtered.masked_fill(drop, float("-inf"))
     if uniform is not None:  # Gumbel-max with the caller's noise: argmax(log p + g) is a sample of p
-        gumbel = uniform.clamp(1e-20, 1.0 - 1e-7).log_().neg_().log_().neg_()  # -log(-log u), one buffer
+        gumbel = uniform.clamp_(1e-20, 1.0 - 1e-7).log_().neg_().log_().neg_()  # -log(-log u), in place
         tokens = gumbel.add_(filtered).argmax(-1)
     else:
         tokens = torch.multinomial(filtered.exp(), 1, generator=generator).squeeze(-1)
@@ -218,11 +220,14 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
                 part = sample_tokens(logits, temperature, top_k, top_p, generator, uniform, rows=rows)
             else:  # the chunk's own rows of the step (its answers' distinct prefixes)
                 used, inverse = torch.unique(rows, return_inverse=True)
-                part = sample_tokens(logits.index_select(0, used), temperature, top_k, top_p, generator, uniform,
+                first, last = int(used[0]), int(used[-1])  # consecutive rows (a group's): a view, not a copy
+                part = sample_tokens(logits[first:last + 1] if last - first + 1 == len(used) else
+                                     logits.index_select(0, used), temperature, top_k, top_p, generator, uniform,
                                      rows=inverse)
             tok.append(part[0])
             logp.append(part[1])
         tok, logp = (tok[0], logp[0]) if len(chunks) == 1 else (torch.cat(tok), torch.cat(logp))
+        logits = None  # not held through the next decoding forward
         tok = torch.where(alive, tok, policy.pad_token_id)
         tokens.append(tok)
         logps.append(torch.where(alive, logp, 0.0))
