@@ -4,6 +4,11 @@ Two layouts, chosen by `algorithm.critic`:
 - "head": a linear value head on the policy's final hidden states; one forward serves log-probs and values, and the
   value loss (times `vf_coef`) joins the policy loss.
 - "separate": a copy of the starting policy with its own value head and optimizer (PPO-RLHF's critic).
+
+Under torchrun (DDP or FSDP2) the critic's parameters (the head; for "separate", its trunk too) are a full copy on
+every rank, outside the policy's wrapper: each optimizer step first averages their gradients over the ranks
+(`average_gradients`, one all-reduce), so N ranks take the step one process takes on the same global batch. A
+separate critic is therefore not sharded: it costs a full model's weights, gradients and optimizer state per rank.
 """
 
 from __future__ import annotations
@@ -48,6 +53,26 @@ class Critic:
             return self.values_from_hidden(out.hidden, mask)
         return score_batch(self.trunk, prompts, prompt_index, ids, mask, temperature, micro_batch, micro_batch_tokens,
                            hidden_fn=self.values_from_hidden).hidden
+
+    def parameters(self) -> list[Tensor]:
+        return [p for group in self.optimizer.param_groups for p in group["params"]]
+
+    def average_gradients(self, info) -> None:
+        """Every critic gradient averaged over the ranks (a rank whose chunks held only padding adds zeros): the
+        losses are already normalised by the global token count, so the mean over ranks is one process's gradient,
+        as DDP and FSDP2 average the policy's. One flat all-reduce."""
+        import torch.distributed as dist
+
+        params = self.parameters()
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        device = str(info.device)
+        flat = flat.to(device if device.startswith("cuda") else "cpu")
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat = flat / info.world
+        at = 0
+        for p in params:
+            p.grad = flat[at:at + p.numel()].view_as(p).to(p.device, p.dtype).clone()
+            at += p.numel()
 
     def state_dict(self) -> dict:
         state = {"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict()}
