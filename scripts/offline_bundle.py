@@ -90,7 +90,8 @@ def manylinux_platforms(arch: str, glibc: str) -> list[str]:
     major, minor = (int(x) for x in glibc.split("."))
     tags = [f"manylinux_{major}_{m}_{arch}" for m in range(minor, 4, -1)]
     legacy = {"manylinux_2_17": "manylinux2014", "manylinux_2_12": "manylinux2010", "manylinux_2_5": "manylinux1"}
-    return tags + [f"{legacy[t.rsplit('_', 1)[0]]}_{arch}" for t in tags if t.rsplit("_", 1)[0] in legacy]
+    bases = [t[: -len(arch) - 1] for t in tags]  # manylinux_2_17_x86_64 -> manylinux_2_17
+    return tags + [f"{legacy[b]}_{arch}" for b in bases if b in legacy]
 
 
 def parse_has(entries: list[str]) -> dict[str, Version | None]:
