@@ -32,6 +32,32 @@ def test_a_label_that_cannot_be_generated_whole_is_refused(policy, count_samples
     assert check_label_lengths(policy, both, [long]) == tokens
 
 
+def test_the_advised_budget_keeps_every_label_clear_of_the_length_penalty(policy, count_samples):
+    """With a `length` reward that follows rollout.max_new_tokens (the quickstart's), its last third is penalised:
+    the check asks for a budget whose penalty starts after the longest label, so following its advice never
+    penalises a right answer. By hand: a 15-token label needs 22 (22 - 22 // 3 = 15), not 15 (penalised past 10)."""
+    from vlmrl.rewards.specs import length_kwargs
+    from vlmrl.trainer.limits import clear_budget
+
+    assert [clear_budget(n) for n in (5, 8, 15)] == [7, 11, 22]
+    long = {**count_samples[0], "id": "long-one", "solution": "a rather long multi word answer phrase"}
+    tokens = len(policy.processor.tokenizer(f"<answer>{long['solution']}</answer>",
+                                            add_special_tokens=False)["input_ids"]) + 1
+    shaped = ["rewards=[{name: accuracy}, {name: length}]", f"eval.max_new_tokens={tokens}"]
+    with pytest.raises(ConfigError) as e:  # the label fits, but in the penalty
+        check_label_lengths(policy, load_config(None, [*shaped, f"rollout.max_new_tokens={tokens}"]), [long])
+    advised = int(str(e.value).split("set rollout.max_new_tokens=")[1].split()[0])
+    assert advised == clear_budget(tokens) > tokens and "fall in the length penalty" in str(e.value)
+    assert check_label_lengths(policy, load_config(None, [*shaped, f"rollout.max_new_tokens={advised}"]),
+                               [long]) == tokens
+    limits = length_kwargs({}, advised)  # what the length reward then uses
+    assert tokens <= limits["max_length"] - limits["cache_length"]
+    # a recipe that sets max_length itself is warned about instead (rewards/specs.py: budget_warnings)
+    explicit = ["rewards=[{name: accuracy}, {name: length, kwargs: {max_length: 40}}]", f"eval.max_new_tokens={tokens}"]
+    assert check_label_lengths(policy, load_config(None, [*explicit, f"rollout.max_new_tokens={tokens}"]),
+                               [long]) == tokens
+
+
 def test_every_prompt_is_checked_at_load(policy, count_samples):
     cfg = load_config(None, [])
     longest = check_prompt_lengths(policy, cfg, count_samples)

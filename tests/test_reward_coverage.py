@@ -96,7 +96,7 @@ def test_answers_no_weighted_reward_graded_are_counted_per_task_and_warned_about
     said = Messages()
     # an undeclared user reward passes the up-front check; it gives None on boxes, which the run counts and names
     cfg = load_config(None, [f"data.train={spec}", f"data.sft={spec}", f"data.eval={spec}", *SMALL,
-                             "rollout.max_new_tokens=20", "eval.max_new_tokens=20", "trainer.steps=2",
+                             "rollout.max_new_tokens=22", "eval.max_new_tokens=22", "trainer.steps=2",
                              "rollout.prompts_per_step=12", "rewards=[{fn: 'user.py:words_only', isolate: false}, "
                              "{name: length}]", f"trainer.output_dir={tmp_path / 'run'}"])
     summary = train(cfg, said)

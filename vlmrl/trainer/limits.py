@@ -15,6 +15,7 @@ from vlmrl.config import Config
 from vlmrl.data import TASKS, zoom
 from vlmrl.errors import ConfigError
 from vlmrl.models.batch import PromptTooLongError
+from vlmrl.rewards.specs import CACHE_SHARE
 
 
 def _label(template: str, sample: dict) -> str:
@@ -58,15 +59,39 @@ def check_label_lengths(policy, cfg: Config, *splits: list[dict]) -> int:
     lengths = [len(ids) + 1 for ids in policy.processor.tokenizer(labels, add_special_tokens=False)["input_ids"]]
     longest = max(range(len(samples)), key=lengths.__getitem__)
     need = lengths[longest]
-    for key, value in (("rollout.max_new_tokens", cfg.rollout.max_new_tokens),
-                       ("eval.max_new_tokens", cfg.eval.max_new_tokens)):
-        if need > value:
-            over = sum(n > value for n in lengths)
+    # a `length` reward that follows rollout.max_new_tokens penalises its last third: the budget that keeps every
+    # label clear of it (the advice to raise max_new_tokens must not turn into a penalty on right answers)
+    train_need = clear_budget(need) if follows_budget(cfg) else need
+    for key, value, wanted in (("rollout.max_new_tokens", cfg.rollout.max_new_tokens, train_need),
+                               ("eval.max_new_tokens", cfg.eval.max_new_tokens, need)):
+        if wanted > value:
+            cut = need > value
+            limit = value if cut else value - max(1, value // CACHE_SHARE)  # the longest answer that goes whole
+            over = sum(n > limit for n in lengths)
+            why = ("answers that cannot end are cut and score 0" if cut else
+                   f"the length reward, which follows {key}, penalises answers longer than {limit} tokens, right "
+                   f"ones included")
             raise ConfigError(
-                f"{key}={value} is too short for the labelled answers: {over} of {len(samples)} do not fit, the "
-                f"longest (sample {samples[longest].get('id')!r}: {labels[longest]!r}) takes {need} tokens with the "
-                f"end-of-turn token; set {key}={need} or more (answers that cannot end are cut and score 0)")
+                f"{key}={value} is too short for the labelled answers: {over} of {len(samples)} "
+                f"{'do not fit' if cut else 'fall in the length penalty'}, the longest (sample "
+                f"{samples[longest].get('id')!r}: {labels[longest]!r}) takes {need} tokens with the end-of-turn "
+                f"token; set {key}={wanted} or more ({why})")
     return need
+
+
+def follows_budget(cfg: Config) -> bool:
+    """A single-turn run with a `length` reward whose max_length follows rollout.max_new_tokens (not set)."""
+    return not cfg.agent.enabled and any(r.name == "length" and r.weight and "max_length" not in r.kwargs
+                                         for r in cfg.rewards)
+
+
+def clear_budget(tokens: int) -> int:
+    """The smallest generation budget B whose `length` penalty (from B - B // 3 tokens on; rewards/specs.py) leaves
+    an answer of `tokens` unpenalised."""
+    budget = tokens
+    while tokens > budget - max(1, budget // CACHE_SHARE):
+        budget += 1
+    return budget
 
 
 def check_prompt_lengths(policy, cfg: Config, *splits: list[dict], batch_size: int = 256) -> int:
