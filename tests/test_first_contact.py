@@ -276,7 +276,7 @@ def test_a_gpu_device_on_a_machine_without_one_is_refused(tmp_path, monkeypatch,
 
 
 def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, capsys):
-    """Under torchrun with 2 processes what it cannot run yet (here SFT replay and a critic) is refused up front, not
+    """Under torchrun with 2 processes what it cannot run yet (here offline DPO) is refused up front, not
     after SFT and the first evaluation; the quickstart's dynamic sampling and curriculum run there."""
     import vlmrl.trainer.run as run
     from vlmrl.trainer.distributed import DistInfo
@@ -284,11 +284,11 @@ def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, c
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(run, "init_distributed", lambda mode, device: DistInfo(mode, 0, 2, 0, "cpu"))
-    assert main(["train", "trainer.distributed=ddp", "replay.weight=0.1", "algorithm.advantage=gae",
-                 "algorithm.dynamic_sampling=false", "curriculum.filter_solved=false"]) == 2
+    assert main(["train", "trainer.distributed=ddp", "data.preferences={task: shapes_count, n: 8}",
+                 "algorithm.policy_loss=dpo", "algorithm.dynamic_sampling=false", "curriculum.filter_solved=false"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: trainer.distributed=ddp with 2 processes supports the GRPO family") and \
-        "a critic (algorithm.advantage=gae), SFT replay (replay.weight):" in err and \
+        "this config uses offline DPO (data.preferences):" in err and \
         err.endswith("run in one process (without torchrun)\n"), err
     assert list(tmp_path.iterdir()) == []
     quickstart = load_config(QUICKSTART)  # dynamic sampling and the curriculum's filter
@@ -299,6 +299,14 @@ def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, c
     agentic = load_config(QUICKSTART.parents[2] / "recipes" / "agentic_zoom.yaml")
     assert agentic.agent.enabled
     check_distributed(agentic, DistInfo("fsdp2", 0, 2, 0, "cpu"))  # agents run under torchrun
+    with_replay = Config()
+    with_replay.replay.weight, with_replay.replay.batch_size = 0.1, 8
+    check_distributed(with_replay, DistInfo("ddp", 0, 2, 0, "cpu"))  # SFT replay and a critic run too
+    with_replay.algorithm.advantage = "gae"
+    check_distributed(with_replay, DistInfo("fsdp2", 0, 2, 0, "cpu"))
+    with_replay.replay.batch_size = 7
+    with pytest.raises(ConfigError, match="replay.batch_size=7 must be a multiple of the number of processes"):
+        check_distributed(with_replay, DistInfo("ddp", 0, 2, 0, "cpu"))
     plain.rollout.prompts_per_step = 3
     with pytest.raises(ConfigError, match="rollout.prompts_per_step=3 must be a multiple of the number of processes"):
         check_distributed(plain, DistInfo("ddp", 0, 2, 0, "cpu"))

@@ -146,16 +146,17 @@ def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
         return
     algo = cfg.algorithm
     unsupported = [name for name, used in (
-        ("a critic (algorithm.advantage=gae)", algo.advantage == "gae"),
-        ("offline DPO (data.preferences)", cfg.data.preferences is not None),
-        ("SFT replay (replay.weight)", cfg.replay.weight > 0)) if used]
+        ("offline DPO (data.preferences)", cfg.data.preferences is not None),) if used]
     if unsupported:
         raise ConfigError(f"trainer.distributed={dist_info.mode} with {dist_info.world} processes supports the GRPO "
-                         f"family, RLOO, REINFORCE++, ReMax and online DPO, with dynamic sampling, the curriculum "
-                         f"and agents, "
+                         f"family, RLOO, REINFORCE++, ReMax, PPO with a critic and online DPO, with dynamic sampling, "
+                         f"the curriculum, SFT replay and agents, "
                          f"so far; this config uses "
                          f"{', '.join(unsupported)}: turn it off, or run in one process (without torchrun)")
     shard(cfg.rollout.prompts_per_step, dist_info)  # every rank takes the same number of prompts
+    if cfg.replay.weight > 0 and cfg.replay.batch_size % dist_info.world:  # each rank trains its share of a batch
+        raise ConfigError(f"replay.batch_size={cfg.replay.batch_size} must be a multiple of the number of processes "
+                          f"({dist_info.world}) under torchrun: each trains its share of every replay batch")
 
 
 def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewards: list[RewardSpec],
@@ -181,6 +182,8 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
         with reference.active() as reference_policy:
             dpo = OfflineDPO(policy, reference_policy, pairs, cfg)
         train_set = pairs
+    # a separate critic copies the policy's whole weights, before FSDP2 shards them (vlmrl.trainer.critic)
+    critic = Critic(policy, algo.critic, algo.critic_lr) if algo.advantage == "gae" else None
     forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = adamw(params, t.lr, t.weight_decay)
@@ -201,11 +204,8 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
             optimizer.load_state_dict(resume_state["optimizer"])
         scheduler.load_state_dict(resume_state["scheduler"])
         stream.load(resume_state["data"])
-    critic = None
-    if algo.advantage == "gae":
-        critic = Critic(policy, algo.critic, algo.critic_lr)
-        if resume_state is not None:
-            critic.load_state_dict(resume_state["critic"])
+    if critic is not None and resume_state is not None:
+        critic.load_state_dict(resume_state["critic"])
     ctx = StepContext(policy, optimizer, scheduler, rewards, cfg.rollout, algo, t, d.prompt_template,
                       d.max_prompt_length, reference, critic, generator, dist=dist_info,
                       forward=forward, agent=AgentSpec.from_config(cfg.agent, policy.processor),

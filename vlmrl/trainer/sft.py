@@ -28,11 +28,26 @@ def target_ids(policy: Policy, texts: list[str]) -> tuple[Tensor, Tensor]:
     return ids, mask
 
 
+def target_token_count(policy: Policy, samples: list[dict], target_template: str, agent=None) -> int:
+    """The target tokens `sft_loss` of `samples` divides by, counted without a forward: each target (or, with an
+    agent, each demonstration message) with its end-of-turn token."""
+    tok = policy.processor.tokenizer
+    if agent is not None and all("demonstration" in s for s in samples):
+        texts = [m for s in samples for m in s["demonstration"]]
+    else:
+        texts = [target_template.format(**s) for s in samples]
+    return sum(len(tok(t, add_special_tokens=False)["input_ids"]) + 1 for t in texts)
+
+
 def sft_loss(policy: Policy, samples: list[dict], target_template: str, template: str = "{problem}",
-             max_prompt_length: int | None = None, agent=None) -> Tensor:
+             max_prompt_length: int | None = None, agent=None, forward=None, tokens: Tensor | None = None) -> Tensor:
     """Mean negative log-likelihood per target token. With `agent` (vlmrl.agent.AgentSpec), samples that carry a
     `demonstration` are trained on it, replayed through their environment (vlmrl.agent.demos): every message of
-    the policy is a target, the observations between them are context."""
+    the policy is a target, the observations between them are context.
+
+    `forward`: the training forward to run (the RL update's, wrapped by DDP/FSDP2; default the policy's own).
+    `tokens`: what to divide the summed NLL by (default these samples' target tokens; a rank's shard of a batch
+    passes the whole batch's count)."""
     prompts = make_prompts(policy, samples, template, max_prompt_length)
     device = policy.model.device
     if agent is not None and all("demonstration" in s for s in samples):
@@ -41,8 +56,9 @@ def sft_loss(policy: Policy, samples: list[dict], target_template: str, template
         prompts, ids, mask = demonstration_batch(policy, agent, prompts, samples)
     else:
         ids, mask = target_ids(policy, [target_template.format(**s) for s in samples])
-    logp = sequence_logprobs(policy, prompts, torch.arange(len(samples)), ids.to(device), mask.to(device), 1.0).logprobs
-    return -(logp.sum() / mask.sum())
+    args = (prompts, torch.arange(len(samples)), ids.to(device), mask.to(device), 1.0)
+    logp = (forward(*args) if forward is not None else sequence_logprobs(policy, *args)).logprobs
+    return -(logp.sum() / (mask.sum() if tokens is None else tokens))
 
 
 def sft_step(policy: Policy, optimizer: torch.optim.Optimizer, samples: list[dict], target_template: str,

@@ -76,13 +76,14 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
                     weight = 1.0 if key in ("loss", "value_loss") else len(rows) / len(minibatch)
                     sums[key] = sums.get(key, 0.0) + value * weight
             if ctx.replay is not None and ctx.replay.due(ctx.step) and not warmup:  # + weight x the SFT loss
-                replay_loss = ctx.replay.backward(ctx.policy, ctx.generator)
+                replay_loss = ctx.replay.backward(ctx.policy, ctx.generator, ctx.forward, ctx.dist)
                 mb_loss += ctx.replay.weight * replay_loss
                 sums["replay/loss"] = sums.get("replay/loss", 0.0) + replay_loss
             groups = [] if warmup else [(ctx.optimizer, policy_params)]
             if critic is not None:
-                groups.append((critic.optimizer, [p for group in critic.optimizer.param_groups
-                                                  for p in group["params"]]))
+                if ctx.dist.active:  # the critic is outside the policy's wrapper: its gradients averaged here
+                    critic.average_gradients(ctx.dist)
+                groups.append((critic.optimizer, critic.parameters()))
             step = guarded_step(groups, mb_loss, cfg.max_grad_norm, ctx.guard, ctx.dist, ctx.step,
                                 cfg.max_nonfinite_steps)
             if not warmup:
