@@ -144,9 +144,7 @@ def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
     """What torchrun with several processes cannot run yet, refused before any data, model or SFT step is built."""
     if not dist_info.active:
         return
-    algo = cfg.algorithm
-    unsupported = [name for name, used in (
-        ("offline DPO (data.preferences)", cfg.data.preferences is not None),) if used]
+    unsupported = ["offline DPO (data.preferences)"] if cfg.data.preferences is not None else []
     if unsupported:
         raise ConfigError(f"trainer.distributed={dist_info.mode} with {dist_info.world} processes supports the GRPO "
                          f"family, RLOO, REINFORCE++, ReMax, PPO with a critic and online DPO, with dynamic sampling, "
