@@ -258,3 +258,17 @@ def test_sft_replay_under_torchrun_matches_one_process(tmp_path):
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
     for mode in ("ddp", "fsdp2"):
         assert_matches(one, run(tmp_path, mode, mode, 2, extra=extra), floor)
+
+
+@pytest.mark.slow  # ~2 min on 2 cores
+def test_offline_dpo_under_torchrun_matches_one_process(tmp_path):
+    """Offline DPO: every rank draws the same pairs, trains its share through the wrapped forward (FSDP2's root
+    unit unsharded there), the loss over the step's whole pair count; 2 ranks end where one process does."""
+    recipe = str(Path(GRPO).parent / "dpo_offline.yaml")
+    extra = ("data.preferences={task: shapes_count, n: 16}", "rollout.prompts_per_step=4")
+    one = run(tmp_path, "single", "none", 1, extra=extra, recipe=recipe)
+    floor = run(tmp_path, "single-mb1", "none", 1, extra=(*extra, "trainer.micro_batch=1"), recipe=recipe)
+    start = weights(tmp_path / "single" / "checkpoint-0")
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
+    for mode in ("ddp", "fsdp2"):
+        assert_matches(one, run(tmp_path, mode, mode, 2, extra=extra, recipe=recipe), floor)

@@ -276,7 +276,7 @@ def test_a_gpu_device_on_a_machine_without_one_is_refused(tmp_path, monkeypatch,
 
 
 def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, capsys):
-    """Under torchrun with 2 processes what it cannot run yet (here offline DPO) is refused up front, not
+    """Under torchrun with 2 processes what it cannot split over the ranks (here a replay batch) is refused up front, not
     after SFT and the first evaluation; the quickstart's dynamic sampling and curriculum run there."""
     import vlmrl.trainer.run as run
     from vlmrl.trainer.distributed import DistInfo
@@ -284,12 +284,10 @@ def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, c
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(run, "init_distributed", lambda mode, device: DistInfo(mode, 0, 2, 0, "cpu"))
-    assert main(["train", "trainer.distributed=ddp", "data.preferences={task: shapes_count, n: 8}",
-                 "algorithm.policy_loss=dpo", "algorithm.dynamic_sampling=false", "curriculum.filter_solved=false"]) == 2
+    assert main(["train", "trainer.distributed=ddp", "replay.weight=0.1", "replay.batch_size=7"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: trainer.distributed=ddp with 2 processes supports the GRPO family") and \
-        "this config uses offline DPO (data.preferences):" in err and \
-        err.endswith("run in one process (without torchrun)\n"), err
+    assert err.startswith("error: replay.batch_size=7 must be a multiple of the number of processes (2) under "
+                          "torchrun"), err
     assert list(tmp_path.iterdir()) == []
     quickstart = load_config(QUICKSTART)  # dynamic sampling and the curriculum's filter
     assert quickstart.algorithm.dynamic_sampling and quickstart.curriculum.active
@@ -304,9 +302,8 @@ def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, c
     check_distributed(with_replay, DistInfo("ddp", 0, 2, 0, "cpu"))  # SFT replay and a critic run too
     with_replay.algorithm.advantage = "gae"
     check_distributed(with_replay, DistInfo("fsdp2", 0, 2, 0, "cpu"))
-    with_replay.replay.batch_size = 7
-    with pytest.raises(ConfigError, match="replay.batch_size=7 must be a multiple of the number of processes"):
-        check_distributed(with_replay, DistInfo("ddp", 0, 2, 0, "cpu"))
+    with_replay.data.preferences = {"task": "shapes_count", "n": 8}
+    check_distributed(with_replay, DistInfo("ddp", 0, 2, 0, "cpu"))  # and offline DPO
     plain.rollout.prompts_per_step = 3
     with pytest.raises(ConfigError, match="rollout.prompts_per_step=3 must be a multiple of the number of processes"):
         check_distributed(plain, DistInfo("ddp", 0, 2, 0, "cpu"))

@@ -118,7 +118,8 @@ class RLJob:
         ctx, rollout = self.ctx, self.cfg.rollout
         ctx.step = step
         if self.dpo is not None:
-            metrics = self.dpo.step(self.stream.next(rollout.prompts_per_step), ctx.optimizer, ctx.scheduler)
+            metrics = self.dpo.step(self.stream.next(rollout.prompts_per_step), ctx.optimizer, ctx.scheduler,
+                                    ctx.forward, ctx.dist)
             metrics.setdefault("reward/total/mean", metrics["dpo/accuracy"])
             metrics.setdefault("accuracy", metrics["dpo/accuracy"])
             return metrics, None
@@ -141,17 +142,11 @@ class RLJob:
 
 
 def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
-    """What torchrun with several processes cannot run yet, refused before any data, model or SFT step is built."""
+    """What torchrun with several processes needs of a recipe, checked before any data, model or SFT step is built:
+    every feature runs there; batch sizes must split evenly over the ranks."""
     if not dist_info.active:
         return
-    unsupported = ["offline DPO (data.preferences)"] if cfg.data.preferences is not None else []
-    if unsupported:
-        raise ConfigError(f"trainer.distributed={dist_info.mode} with {dist_info.world} processes supports the GRPO "
-                         f"family, RLOO, REINFORCE++, ReMax, PPO with a critic and online DPO, with dynamic sampling, "
-                         f"the curriculum, SFT replay and agents, "
-                         f"so far; this config uses "
-                         f"{', '.join(unsupported)}: turn it off, or run in one process (without torchrun)")
-    shard(cfg.rollout.prompts_per_step, dist_info)  # every rank takes the same number of prompts
+    shard(cfg.rollout.prompts_per_step, dist_info)  # every rank takes the same number of prompts (or DPO pairs)
     if cfg.replay.weight > 0 and cfg.replay.batch_size % dist_info.world:  # each rank trains its share of a batch
         raise ConfigError(f"replay.batch_size={cfg.replay.batch_size} must be a multiple of the number of processes "
                           f"({dist_info.world}) under torchrun: each trains its share of every replay batch")
