@@ -60,3 +60,15 @@ def test_threads_never_see_it_past_its_bounds():
         t.join()
     assert max(seen) <= 1000 and len(cache) <= 50
     assert cache.bytes == sum(len(cache.get(k)) for k in list(cache._entries))
+
+
+def test_a_copy_has_the_entries_and_a_lock_of_its_own():
+    """`copy.deepcopy` of a policy copies its processor's caches (the reference, a separate critic)."""
+    import copy
+
+    cache = BoundedLRU(100, 10, lambda k, v: len(v))
+    cache.put("a", "xyz")
+    twin = copy.deepcopy(cache)
+    assert twin.get("a") == "xyz" and twin._lock is not cache._lock
+    twin.put("b", "12")
+    assert cache.get("b") is None and twin.bytes == 5 and cache.bytes == 3

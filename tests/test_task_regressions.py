@@ -82,7 +82,7 @@ SMALL = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num
          "model.tiny.vision_dim=32", "model.tiny.vision_heads=2", "model.tiny.vocab_size=400",
          "model.tiny.min_pixels=3136", "model.tiny.max_pixels=7056", "data.train.n=20", "data.sft.n=8",
          "data.eval=[{task: shapes_count, n: 4}, {task: shapes_color, n: 4}]", "sft.steps=1", "sft.batch_size=4",
-         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=8", "eval.max_new_tokens=8",
+         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=11", "eval.max_new_tokens=11",
          "trainer.eval_every=0", "trainer.threads=1", "trainer.steps=1"]
 
 

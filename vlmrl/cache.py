@@ -31,6 +31,17 @@ class BoundedLRU(Generic[K, V]):
         self._entries: OrderedDict[K, tuple[V, int]] = OrderedDict()
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict:
+        """A copy (`copy.deepcopy` of a policy, whose processor holds caches) gets the entries and a lock of its own."""
+        with self._lock:
+            state = dict(self.__dict__)
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def get(self, key: K, default: V | None = None) -> V | None:
         """The value for `key` (now the most recently used), or `default`."""
         with self._lock:
