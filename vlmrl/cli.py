@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from vlmrl.progress import BarProgress
+
 TRAIN_HELP = """Train a VLM with RL (SFT warm-start, then GRPO), from a YAML recipe plus dotted overrides.
 
 Without a recipe this runs the quickstart (vlmrl/recipes/quickstart.yaml): the embedded tiny Qwen2-VL learns to count
@@ -19,32 +21,6 @@ Examples:
   vlmrl train trainer.steps=1200 --resume runs/quickstart  # the run's own config.yaml, with overrides on top
   vlmrl train recipes/quickstart.yaml --seeds 3 --control sft   # seeds, matched-compute control, OOD (docs/evaluation.md)
 Every key, its type and its default: `vlmrl train --show-config`; docs/recipes.md explains them."""
-
-
-class BarProgress:
-    """tqdm bars for the library's Progress hooks."""
-
-    def __init__(self):
-        self.bar = None
-
-    def start(self, phase: str, total: int) -> None:
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total, desc=phase, dynamic_ncols=True, file=sys.stderr)
-
-    def advance(self, n: int = 1, **postfix) -> None:
-        if self.bar is not None:
-            if postfix:
-                self.bar.set_postfix(postfix, refresh=False)
-            self.bar.update(n)
-
-    def end(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-    def message(self, text: str) -> None:
-        print(text, file=sys.stderr)
 
 
 def cmd_train(args) -> int:

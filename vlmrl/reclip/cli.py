@@ -49,7 +49,7 @@ def cmd_train(args) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
-    from vlmrl.cli import BarProgress
+    from vlmrl.progress import BarProgress
     from vlmrl.reclip.trainer import train_reclip
 
     summary = train_reclip(cfg, BarProgress())

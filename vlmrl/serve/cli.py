@@ -173,8 +173,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_index(args) -> int:
-    from vlmrl.cli import BarProgress
     from vlmrl.errors import PathError
+    from vlmrl.progress import BarProgress
     from vlmrl.serve.index import build_index
 
     student = student_folder(args.student)

@@ -244,7 +244,7 @@ def build_index(image_dir: str | Path, student: str | Path | Any, out: str | Pat
     """Embed the images under `image_dir` with `student` (a folder, or a loaded TwoTower) into the index folder
     `out`, resuming what an earlier run left there (module docstring). Unreadable files are skipped and reported.
     Returns {size, added, kept, skipped, ignored, problems, kind, dimension, path}."""
-    from vlmrl.trainer.run import Progress
+    from vlmrl.progress import Progress
 
     progress = progress or Progress()
     if kind not in KINDS:

@@ -27,6 +27,7 @@ from vlmrl.models.policy import Policy
 from vlmrl.models.trainable import configure_training, start_lora
 from vlmrl.optim import adamw
 from vlmrl.preflight import check_device, resolve_model
+from vlmrl.progress import Progress  # re-exported: `from vlmrl.trainer.run import Progress` keeps working
 from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.coverage import check_coverage
 from vlmrl.rewards.registry import check_specs
@@ -48,15 +49,6 @@ from vlmrl.trainer.watch import (
     UngradedWatch,
     truncation_warning,
 )
-
-
-class Progress:
-    """No-op progress hooks; the CLI subclasses this with progress bars."""
-
-    def start(self, phase: str, total: int) -> None: ...
-    def advance(self, n: int = 1, **postfix) -> None: ...
-    def end(self) -> None: ...
-    def message(self, text: str) -> None: ...
 
 
 def seed_everything(seed: int) -> None:
