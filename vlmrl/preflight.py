@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 from vlmrl.errors import ConfigError, PathError
+from vlmrl.rundir import checkpoint_problem, checkpoint_step, complete_checkpoints
 
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/name, as the hub spells repository ids
 MODEL_FILES = ("config.json", "adapter_config.json")  # a model folder, or LoRA adapters naming their base
@@ -22,9 +23,7 @@ MODEL_FILES = ("config.json", "adapter_config.json")  # a model folder, or LoRA 
 
 def checkpoints(run_dir: Path) -> list[Path]:
     """The run's step checkpoints whose save finished (their COMPLETE marker is written last), oldest first."""
-    from vlmrl.trainer.checkpoint import checkpoint_problem, step_checkpoints
-
-    return [p for p in step_checkpoints(run_dir).values() if checkpoint_problem(p) is None]
+    return complete_checkpoints(run_dir)
 
 
 def is_model_folder(path: Path) -> bool:
@@ -56,8 +55,6 @@ def resolve_model(ref: str | Path, what: str = "model") -> str | Path:
 
 def _check_complete(path: Path, what: str) -> None:
     """PathError for a run's checkpoint-N whose save did not finish (its weights may be half written)."""
-    from vlmrl.trainer.checkpoint import checkpoint_problem, checkpoint_step
-
     if checkpoint_step(path) is None:
         return  # a model folder, not a step checkpoint
     problem = checkpoint_problem(path)

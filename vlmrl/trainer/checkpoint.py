@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import shutil
 import signal
 from pathlib import Path
@@ -25,12 +24,17 @@ import torch
 from vlmrl.config import Config, save_config
 from vlmrl.errors import PathError
 from vlmrl.models.policy import Policy
+from vlmrl.rundir import (
+    MARKER,
+    PARTIAL,  # noqa: F401  (re-exported with the rest of the layout that vlmrl.rundir holds)
+    checkpoint_problem,
+    checkpoint_step,
+    partial_path,
+    step_checkpoints,
+)
 
 STATE_FILE = "trainer_state.pt"
-MARKER = "COMPLETE"
-PARTIAL = ".partial"
 KILL_IN_SAVE = "VLMRL_TEST_KILL_IN_SAVE"
-_NAME = re.compile(r"checkpoint-(\d+)")
 
 
 def rng_state(generator: torch.Generator | None = None) -> dict:
@@ -50,18 +54,6 @@ def restore_rng(state: dict, generator: torch.Generator | None = None) -> None:
             torch.cuda.set_rng_state(cuda_state, device)
     if generator is not None and state.get("generator") is not None:
         generator.set_state(state["generator"])
-
-
-def checkpoint_step(path: str | Path) -> int | None:
-    """N for a folder named `checkpoint-N` (None for anything else, `.partial` folders included)."""
-    match = _NAME.fullmatch(Path(path).name)
-    return int(match.group(1)) if match else None
-
-
-def partial_path(path: str | Path) -> Path:
-    """Where `path` is written before it is complete: `checkpoint-N.partial`, beside it."""
-    path = Path(path)
-    return path.with_name(path.name + PARTIAL)
 
 
 def begin_checkpoint(path: str | Path) -> Path:
@@ -120,37 +112,6 @@ def _fsync(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def checkpoint_problem(path: str | Path) -> str | None:
-    """None for a complete checkpoint; else what is wrong with it, in words."""
-    path = Path(path)
-    if not path.is_dir():
-        return "not a folder"
-    if not (path / MARKER).exists():
-        reason = "its save was interrupted" if path.name.endswith(PARTIAL) else "a save that did not finish"
-        return f"no {MARKER} marker ({reason})"
-    try:
-        files = json.loads((path / MARKER).read_text())["files"]
-    except (ValueError, KeyError):
-        return f"an unreadable {MARKER} marker"
-    for name, size in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size != size:
-            return f"{name} has {file.stat().st_size} bytes, {size} when it was saved"
-    return None
-
-
-def step_checkpoints(run_dir: str | Path) -> dict[int, Path]:
-    """The run's `checkpoint-N` folders by step, complete or not (`.partial` folders are not among them)."""
-    out = {}
-    for p in Path(run_dir).glob("checkpoint-*"):
-        step = checkpoint_step(p)
-        if step is not None and p.is_dir():
-            out[step] = p
-    return dict(sorted(out.items()))
 
 
 def rotate_checkpoints(run_dir: str | Path, keep: int, newest: int, final: int) -> list[Path]:
