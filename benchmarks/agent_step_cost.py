@@ -1,9 +1,10 @@
 """What one agentic RL step costs, and what it processes, against the same recipe without tools.
 
-    python benchmarks/agent_step_cost.py START_CHECKPOINT --steps 10 --threads 1 [KEY=VALUE ...]
+    python benchmarks/agent_step_cost.py TOOL_START --no-tool-start NO_TOOL_START --steps 10 --threads 1 [KEY=VALUE]
 
-Runs `vlmrl train recipes/agentic_zoom.yaml` from START (no SFT, no evaluation) twice in this process: the tool arm
-and the same recipe with `agent.tools=[]` (single-turn). Each arm's first step is a warm-up; then, per RL step:
+Runs `vlmrl train recipes/agentic_zoom.yaml` (no SFT, no evaluation) twice in this process: the tool arm from
+TOOL_START and the same recipe with `agent.tools=[]` (single-turn) from NO_TOOL_START (default TOOL_START; an SFT
+start of the no-tool arm answers in a few tokens, as that arm does). Each arm's first step is a warm-up; then, per RL step:
 wall seconds, and what the step processed in each stage — tokens prefilled (every row's columns of a multi-token
 language-model call, padding included), tokens decoded (one-column calls), images through the vision tower — for
 collect (sampling: no gradient) and update (the training forward, with gradient; old/reference log-prob passes
@@ -83,12 +84,19 @@ def measure(args, overrides: list[str]) -> Counts:
 
 
 def main() -> None:
+    extra = [a for a in sys.argv[1:]]
+    no_tool_start = None
+    if "--no-tool-start" in extra:  # (step_args knows the shared options only)
+        at = extra.index("--no-tool-start")
+        no_tool_start = extra[at + 1]
+        sys.argv = [sys.argv[0], *extra[:at], *extra[at + 2:]]
     args = step_args(__doc__, 10, "agent-step")
     args.recipe = args.recipe or RECIPE
     install_counters()
-    extra, out, rows = list(args.overrides), args.out, []
-    for arm, overrides in (("tool", extra), ("no tool", [*extra, "agent.tools=[]"])):
-        args.out = f"{out}-{arm.replace(' ', '_')}"
+    extra, out, rows, tool_start = list(args.overrides), args.out, [], args.start
+    for arm, overrides, start in (("tool", extra, tool_start),
+                                  ("no tool", [*extra, "agent.tools=[]"], no_tool_start or tool_start)):
+        args.out, args.start = f"{out}-{arm.replace(' ', '_')}", start
         rows.append((arm, measure(args, overrides)))
     keys = list(rows[0][1].work)
     print(f"\n{args.steps} measured steps per arm (after 1 warm-up), {args.threads} thread(s)\n")
