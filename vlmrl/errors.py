@@ -26,3 +26,8 @@ class PathError(VlmrlError, FileNotFoundError):
 
 class TrainingError(VlmrlError, RuntimeError):
     """Training cannot go on (e.g. K non-finite steps in a row); the message names the step and the likely causes."""
+
+
+class FatalRewardError(TrainingError):
+    """A reward error that must stop training instead of becoming a counted failure (e.g. the judge's API key is
+    refused: every later call would fail the same way). Also importable from `vlmrl.rewards`."""

@@ -77,6 +77,6 @@ ENVIRONMENTS: dict[str, EnvFactory] = {"tools": tool_environment}
 
 
 def resolve_env(ref: str) -> EnvFactory:
-    from vlmrl.rewards.registry import resolve_reference
+    from vlmrl.references import resolve_reference
 
     return resolve_reference(ref, "environment", ENVIRONMENTS)

@@ -229,7 +229,7 @@ BUILTIN_TOOLS: dict[str, Tool] = {
 def resolve_tools(specs: list) -> dict[str, Tool]:
     """Tools from a recipe's `agent.tools`: built-in names, or mappings {name, function: "file.py:func",
     parameters: {JSON schema}, description, timeout} for the user's own."""
-    from vlmrl.rewards.registry import resolve_reference
+    from vlmrl.references import resolve_reference
 
     tools: dict[str, Tool] = {}
     for i, spec in enumerate(specs):

@@ -34,36 +34,29 @@ the pickling of the batch. `RewardSpec.isolate` overrides either choice.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import inspect
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from vlmrl.errors import ConfigError, TrainingError
+from vlmrl.errors import ConfigError, FatalRewardError
+from vlmrl.references import USER_MODULE_PREFIX, resolve_reference
 from vlmrl.rewards.output import RewardOutput
+from vlmrl.rewards.safe import Job, WorkerPool, call_maybe_async, get_pool
 
-if TYPE_CHECKING:  # torch is imported where a tensor is built, so reward worker processes start fast
-
-    from vlmrl.rewards.safe import WorkerPool
+# FatalRewardError (vlmrl.errors) and resolve_reference (vlmrl.references) are re-exported here: the reward worker
+# (vlmrl.rewards.safe), below this module, raises and resolves them too.
 
 RewardFn = Callable[..., Sequence[Any]]
 
 REWARDS: dict[str, RewardFn] = {}
 DEFAULT_TIMEOUT = 60.0  # seconds per isolated reward call (one batch), when RewardSpec.timeout is not set
 OWN_METRICS = ("mean", "std", "count", "failures")  # reward/{key}/{name} that RewardOutput.metrics writes
-
-
-class FatalRewardError(TrainingError):
-    """A reward error that must stop training instead of becoming a counted failure (e.g. the judge's API key is
-    refused: every later call would fail the same way)."""
 
 
 class RewardFailure(float):
@@ -148,52 +141,6 @@ def missing_requirement(fn: RewardFn, what: str) -> ConfigError | None:
 
 def _qualname(fn: Callable[..., Any]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
-
-
-def _load_file(path: Path) -> Any:
-    """Import a Python file as a module, once per absolute path (cached in sys.modules)."""
-    path = path.resolve()
-    name = f"vlmrl_user_reward_{path.stem}_{hashlib.sha1(str(path).encode()).hexdigest()[:10]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ImportError(f"cannot import {path} as a Python module")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def resolve_reference(ref: str, what: str, registered: dict[str, Any]) -> Any:
-    """The callable a recipe names: a key of `registered`, "path/to/file.py:function" (a file path, relative to the
-    working directory) or "package.module:function". `what` names it in errors ("reward", "tool", "environment")."""
-    if ref in registered:
-        return registered[ref]
-    target, sep, attr = ref.rpartition(":")
-    if not sep or not target or not attr:
-        raise ConfigError(
-            f"unknown {what} {ref!r}; registered {what}s: {', '.join(sorted(registered))}; "
-            "or give 'path/to/file.py:function' or 'package.module:function'"
-        )
-    if target.endswith(".py") or "/" in target or os.sep in target:
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise FileNotFoundError(f"{what} {ref!r}: file {target!r} not found (relative to {Path.cwd()})")
-        module = _load_file(path)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ImportError as exc:
-            raise ConfigError(f"{what} {ref!r}: cannot import module {target!r}: {exc}") from exc
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"{what} {ref!r}: {target!r} has no callable {attr!r}")
-    return fn
 
 
 def resolve_reward(name: str) -> RewardFn:
@@ -281,8 +228,6 @@ def _score_values(raw: Any, n: int) -> _Scored:
 
 
 def _call_inline(fn: RewardFn, completions: list[str], kwargs: dict[str, Any]) -> _Scored:
-    from vlmrl.rewards.safe import call_maybe_async
-
     n = len(completions)
     try:
         raw = call_maybe_async(fn, completions, **kwargs)
@@ -318,7 +263,7 @@ def reward_ref(fn: RewardFn) -> str | None:
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if not module or module == "__main__" or not qualname.isidentifier():
         return None
-    if module.startswith("vlmrl_user_reward_"):
+    if module.startswith(USER_MODULE_PREFIX):
         path = getattr(sys.modules.get(module), "__file__", None)
         return f"{path}:{qualname}" if path else None
     return f"{module}:{qualname}"
@@ -393,8 +338,6 @@ def compute_rewards(
     seconds: dict[str, float] = {}
     isolated = [(spec, kwargs, ref) for spec, _, kwargs, ref in plans if ref is not None]
     if isolated:
-        from vlmrl.rewards.safe import Job, get_pool
-
         jobs = [Job(ref, (completions,), kwargs, spec.timeout or DEFAULT_TIMEOUT) for spec, kwargs, ref in isolated]
         for (spec, _, _), outcome in zip(isolated, (pool or get_pool("rewards")).run(jobs), strict=True):
             if outcome.fatal:

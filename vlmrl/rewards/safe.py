@@ -119,7 +119,11 @@ def worker_main(read_fd: int, write_fd: int) -> None:
     sys.path[:] = init["sys_path"]
     import importlib
 
-    from vlmrl.rewards.registry import FatalRewardError, resolve_reward
+    from vlmrl.errors import FatalRewardError
+    from vlmrl.references import resolve_reference
+
+    def resolve_reward(ref: str) -> Any:  # jobs name functions as "module:function" or "/abs/file.py:function"
+        return resolve_reference(ref, "reward", {})
 
     for entry in init["preload"]:  # "module" is imported; "module:function" is called (a warm-up)
         if ":" in entry:
