@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from vlmrl.rewards.columns import per_sample
 from vlmrl.rewards.parsing import (
     Box,
     box_is_valid,
@@ -23,7 +24,6 @@ from vlmrl.rewards.parsing import (
     strip_think,
 )
 from vlmrl.rewards.registry import register_reward
-from vlmrl.rewards.verifiable import per_sample
 
 MATCHING = ("greedy", "hungarian")
 DETECTION_SCORES = ("f1", "ap")

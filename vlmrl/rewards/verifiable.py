@@ -12,11 +12,12 @@ values or a column whose length is not the number of completions.
 
 from __future__ import annotations
 
-import math
 import re
 from collections.abc import Sequence
 from typing import Any
 
+from vlmrl.rewards.boxes import iou_reward
+from vlmrl.rewards.columns import is_missing, per_sample
 from vlmrl.rewards.parsing import (
     EXTRACT_MODES,
     completion_text,
@@ -29,24 +30,6 @@ from vlmrl.rewards.parsing import (
 from vlmrl.rewards.registry import RewardFailure, register_reward
 
 ANSWER_TYPES = ("number", "text", "box", "math", "choice")
-
-
-def per_sample(value: Any, n: int, default: Any) -> list[Any]:
-    """A column as n values: missing -> `default` repeated; a scalar (e.g. set once in RewardSpec.kwargs) -> repeated."""
-    if value is None:
-        return [default] * n
-    if hasattr(value, "tolist") and not isinstance(value, (str, bytes)):  # a tensor or numpy array
-        value = value.tolist()
-    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        return [value] * n
-    if len(value) != n:
-        raise ValueError(f"column has {len(value)} values for {n} completions")
-    return list(value)
-
-
-def is_missing(value: Any) -> bool:
-    """None or a float NaN (how pandas and parquet readers spell a missing cell): no ground truth to compare with."""
-    return value is None or (isinstance(value, float) and math.isnan(value))
 
 
 def _select_answer(completion: str, truncated: bool, extract: str, strict: bool) -> str | None:
@@ -190,9 +173,7 @@ def accuracy_reward(
                 if not ok and symbolic:
                     symbolic_jobs.append((i, [(answer, str(t)) for t in targets]))
             scores.append(None if not values else float(ok))
-    if box_rows:  # IoU >= iou_threshold, scored by `iou` (here: boxes.py imports this module)
-        from vlmrl.rewards.boxes import iou_reward
-
+    if box_rows:  # IoU >= iou_threshold, scored by `iou`
         rows = lambda column: [column[i] for i in box_rows] if column is not None else None  # noqa: E731
         boxes = iou_reward([completions[i] for i in box_rows], rows(list(solution)), coords=coords,
                            threshold=iou_threshold, strict=strict, answer_type=["box"] * len(box_rows),
