@@ -49,8 +49,8 @@ def bad_values(tp) -> list:
     metadata = typing.get_args(tp)[1:] if typing.get_origin(tp) is Annotated else ()
     plain = typing.get_args(tp)[0] if metadata else tp
     wrong = {int: "ten", float: "fast", bool: 3, str: [1, 2], dict: "x"}
-    if typing.get_origin(plain) is Literal:
-        return ["not-a-choice"]
+    if typing.get_origin(plain) is Literal or any(typing.get_origin(a) is Literal for a in typing.get_args(plain)):
+        return ["not-a-choice"]  # a choice, or a choice or a user's "file.py:function" (algorithm.advantage)
     if typing.get_origin(plain) is list:
         return ["not-a-list"]
     out = [wrong[plain]]

@@ -17,6 +17,7 @@ from annotated_types import Ge, Gt, Lt
 from vlmrl.configlib import (  # noqa: F401  (parse_override, to_dict, save_config, from_dict: the config API)
     Count,
     Fraction,
+    FunctionRef,
     Name,
     NonNegative,
     Positive,
@@ -120,13 +121,13 @@ class RolloutConfig:
 @section
 class AlgorithmConfig:
     # -- advantages (stage III); docs/algorithms.md has the formulas
-    advantage: Literal["grpo", "rloo", "reinforce_pp", "remax", "gae"] = "grpo"
+    advantage: Literal["grpo", "rloo", "reinforce_pp", "remax", "gae"] | FunctionRef = "grpo"  # or your own (docs/algorithms.md)
     advantage_scale: Literal["group", "batch", "none"] = "group"  # grpo: "none" is Dr.GRPO
     reinforce_pp_baseline: Literal["none", "group"] = "none"  # "group": REINFORCE++-baseline (G > 1)
     gamma: UnitInterval = 1.0  # discount (reinforce_pp, gae)
     lam: UnitInterval = 0.95  # GAE lambda
     # -- policy loss (stage IV)
-    policy_loss: Literal["ppo_clip", "gspo", "reinforce", "dpo"] = "ppo_clip"  # dpo: online, best vs worst of a group
+    policy_loss: Literal["ppo_clip", "gspo", "reinforce", "dpo"] | FunctionRef = "ppo_clip"  # dpo: online, best vs worst
     epsilon_low: Fraction = 0.2  # PPO clip range below 1: ratios under 1 - epsilon_low get no gradient
     epsilon_high: Positive = 0.2  # > epsilon_low is DAPO's clip-higher
     dual_clip: Annotated[float, Gt(1)] | None = None  # dual-clip PPO's c (e.g. 3.0) bounds negative-advantage losses
@@ -138,7 +139,7 @@ class AlgorithmConfig:
     # e = clip(kl / kl_target - 1, -0.2, 0.2) and kl the step's mean per-token KL (the logged `kl`); null = fixed beta
     kl_target: Positive | None = None
     kl_rate: Positive = 0.1
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3/k2 in the loss; k1 as a reward (docs/algorithms.md)
+    kl_estimator: Literal["k1", "k2", "k3"] | FunctionRef = "k3"  # k3/k2 in the loss; k1 as a reward
     kl_in: Literal["loss", "reward"] = "loss"  # "reward": -beta * KL per token folded into the reward
     # -- DAPO extras
     dynamic_sampling: bool = False  # drop zero-variance groups and sample more prompts to refill the batch
@@ -342,7 +343,7 @@ def _kl(c: Config) -> str | None:
         return ("algorithm.kl_estimator=k1 with kl_in=loss: k1 as a loss term has zero expected gradient on the "
                 "policy's own samples, so the KL penalty would do nothing; use kl_estimator=k3 (or k2) in the "
                 "loss, or kl_in=reward with k1")
-    if a.kl_in == "reward" and a.kl_estimator != "k1":
+    if a.kl_in == "reward" and a.kl_estimator in ("k2", "k3"):  # a user's estimator: its author's call
         return (f"algorithm.kl_estimator={a.kl_estimator} with kl_in=reward: as a reward only k1's score-function "
                 f"gradient is the KL gradient ({a.kl_estimator}'s is not); set algorithm.kl_estimator=k1")
     return None

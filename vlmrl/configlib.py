@@ -23,6 +23,7 @@ import yaml
 from pydantic import ConfigDict
 
 from vlmrl.errors import ConfigError
+from vlmrl.references import is_file_reference
 
 # the constraint vocabulary of the recipes (annotated_types markers, which pydantic enforces)
 PositiveInt = Annotated[int, at.Ge(1)]
@@ -33,6 +34,8 @@ Probability = Annotated[float, at.Gt(0), at.Le(1)]  # (0, 1]
 Fraction = Annotated[float, at.Ge(0), at.Lt(1)]  # [0, 1)
 UnitInterval = Annotated[float, at.Ge(0), at.Le(1)]  # [0, 1]
 Name = Annotated[str, at.MinLen(1)]
+# a user's function: "path/to/file.py:function" or "package.module:function" (resolved by vlmrl.references)
+FunctionRef = Annotated[str, at.Predicate(is_file_reference)]
 
 section = pydantic.dataclasses.dataclass(config=ConfigDict(strict=True, extra="forbid", allow_inf_nan=False))
 
@@ -73,6 +76,8 @@ def allowed(tp) -> str:
             return f"a number in [{interval['Ge'].ge}, {interval['Le'].le}]"
         if base is str and any(isinstance(m, at.MinLen) and m.min_length == 1 for m in metadata):
             return "a non-empty string"
+        if base is str and any(isinstance(m, at.Predicate) and m.func is is_file_reference for m in metadata):
+            return "'path/to/file.py:function' or 'package.module:function'"
         bounds = _bounds(metadata)
         return f"{allowed(base)} {bounds}" if bounds else allowed(base)
     origin = typing.get_origin(tp)
@@ -129,8 +134,10 @@ def _field_type(cls, loc: tuple) -> tuple[Any, str]:
             inner = _strip(tp)
             tp = typing.get_args(inner)[0] if typing.get_origin(inner) is list else Any
             continue
-        key += ("." if key else "") + str(part)
         inner = _strip(tp)
+        if not dataclasses.is_dataclass(inner) and tp is not Any:
+            continue  # pydantic's tag for the branch of a union that failed (e.g. "literal['grpo', ...]")
+        key += ("." if key else "") + str(part)
         tp = _hints(inner).get(part, Any) if dataclasses.is_dataclass(inner) else Any
     return tp, key
 

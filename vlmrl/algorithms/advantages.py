@@ -19,15 +19,22 @@ Adding an estimator is a function and a decorator:
 
     @register_advantage("mine")
     def mine(rewards, group_size, **_) -> Advantages: ...
+
+or, without touching vlmrl, a function in a file of your own named in the recipe (`algorithm.advantage:
+my_adv.py:mine`). It is called with the keyword arguments of ADVANTAGE_KWARGS and returns an `Advantages` or a
+bare tensor (the advantages); `resolve_advantage` checks both when the run starts (docs/algorithms.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+
+from vlmrl.algorithms.contracts import load_user_function, refuse
+from vlmrl.errors import TrainingError
 
 Reduce = Callable[[Tensor], Tensor]  # sum over data-parallel ranks
 
@@ -39,12 +46,78 @@ class Advantages(NamedTuple):
 
 ADVANTAGES: dict[str, Callable[..., Advantages]] = {}
 
+# What stage III passes every estimator, by keyword (vlmrl/trainer/rl.py), N trajectories of T completion tokens:
+#   rewards [N] float (groups of group_size contiguous rows), group_size int, scale str (algorithm.advantage_scale),
+#   mask [N, T] 1 on policy tokens, kl [N, T] or None (per-token KL when kl_in is "reward" and beta > 0), beta float
+#   (the KL-in-reward coefficient, else 0), gamma, lam float, values [N, T] or None (a critic's, gae only),
+#   baseline str (algorithm.reinforce_pp_baseline), baseline_rewards [N] or None (remax only), scored [N] bool,
+#   reduce (sum over data-parallel ranks) or None.
+ADVANTAGE_KWARGS = ("rewards", "group_size", "scale", "mask", "kl", "beta", "gamma", "lam", "values", "baseline",
+                    "baseline_rewards", "scored", "reduce")
+ADVANTAGE_RETURNS = "an Advantages (or a tensor) whose advantages are [N] per trajectory or [N, T] per token, " \
+                    "finite, and whose returns are None or [N, T]"
+_USER_ADVANTAGES: dict[tuple[str, str], Callable[..., Advantages]] = {}
+
 
 def register_advantage(name: str):
     def wrap(fn):
         ADVANTAGES[name] = fn
         return fn
     return wrap
+
+
+def resolve_advantage(ref: str, key: str = "algorithm.advantage") -> Callable[..., Advantages]:
+    """The estimator `ref` names: a key of ADVANTAGES, or a user's "file.py:function" checked against the contract
+    (signature, then one call on a made-up batch) the first time it is named; ConfigError naming `key` if not."""
+    if ref in ADVANTAGES:
+        return ADVANTAGES[ref]
+    if (ref, key) not in _USER_ADVANTAGES:
+        fn = load_user_function(ref, key, "advantage estimator", ADVANTAGES, ADVANTAGE_KWARGS)
+        rewards = torch.tensor([1.0, 0.0, 0.5, 0.0])
+        mask = torch.tensor([[1, 1, 1], [1, 1, 0], [1, 1, 1], [1, 0, 0]])
+        trial = dict(rewards=rewards, group_size=2, scale="group", mask=mask, kl=None, beta=0.0, gamma=1.0, lam=0.95,
+                     values=None, baseline="none", baseline_rewards=None, scored=torch.ones(4, dtype=torch.bool),
+                     reduce=None)
+        try:
+            out = fn(**trial)
+        except Exception as exc:
+            raise refuse(key, ref, fn, f"raised {type(exc).__name__}: {exc}", ADVANTAGE_RETURNS) from exc
+        result, problem = _as_advantages(out, rewards, mask)
+        if problem is None and not torch.isfinite(result.advantages).all():
+            problem = "returned a non-finite advantage"
+        if problem is not None:
+            raise refuse(key, ref, fn, problem, ADVANTAGE_RETURNS)
+        _USER_ADVANTAGES[ref, key] = _checked_advantage(fn, ref, key)
+    return _USER_ADVANTAGES[ref, key]
+
+
+def _as_advantages(out: Any, rewards: Tensor, mask: Tensor) -> tuple[Advantages, str | None]:
+    """`out` as Advantages, and what is wrong with it for N = len(rewards) rows of mask's T columns (None: fine)."""
+    if isinstance(out, Tensor):
+        out = Advantages(out)
+    if not isinstance(out, Advantages) or not isinstance(out.advantages, Tensor):
+        return Advantages(rewards), f"returned {type(out).__name__}, not Advantages or a tensor"
+    n, t = mask.shape
+    adv, returns = out.advantages, out.returns
+    if tuple(adv.shape) not in ((n,), (n, t)) or not adv.is_floating_point():
+        return out, f"returned advantages of shape {tuple(adv.shape)} ({adv.dtype}) for N={n} rows of T={t} tokens"
+    if returns is not None and (not isinstance(returns, Tensor) or tuple(returns.shape) != (n, t)):
+        shape = tuple(returns.shape) if isinstance(returns, Tensor) else type(returns).__name__
+        return out, f"returned returns of shape {shape} for N={n} rows of T={t} tokens"
+    return out, None
+
+
+def _checked_advantage(fn: Callable[..., Any], ref: str, key: str) -> Callable[..., Advantages]:
+    """`fn` whose answer is checked at every step too (a shape that the made-up batch did not show)."""
+
+    def estimator(**kwargs: Any) -> Advantages:
+        out, problem = _as_advantages(fn(**kwargs), kwargs["rewards"], kwargs["mask"])
+        if problem is not None:
+            raise TrainingError(f"{key}={ref!r} {problem}; expected {ADVANTAGE_RETURNS}")
+        return out
+
+    estimator.__wrapped__ = fn  # type: ignore[attr-defined]
+    return estimator
 
 
 def _safe_div(x: Tensor, d: Tensor) -> Tensor:

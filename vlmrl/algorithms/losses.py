@@ -1,16 +1,24 @@
 """Stage IV, update: policy losses and the aggregation of per-token losses into one scalar.
 
 Shapes: per-token tensors are [N, T] over completion tokens, with `mask` 1 on real tokens and 0 on padding.
+
+A policy loss is called with the keyword arguments of POLICY_LOSS_KWARGS and returns a `PolicyLossOutput` (or a
+bare per-token loss [N, T]); `aggregate` then reduces it. Adding one is a function and `@register_policy_loss`, or a
+function in a file of your own named in the recipe (`algorithm.policy_loss: my_loss.py:fn`), which
+`resolve_policy_loss` checks when the run starts (docs/algorithms.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from vlmrl.algorithms.contracts import load_user_function, refuse
+from vlmrl.errors import TrainingError
 
 
 class PolicyLossOutput(NamedTuple):
@@ -20,6 +28,15 @@ class PolicyLossOutput(NamedTuple):
 
 
 POLICY_LOSSES: dict[str, Callable[..., PolicyLossOutput]] = {}
+
+# What stage IV passes every policy loss, by keyword (vlmrl/trainer/update.py), for N trajectories of T tokens:
+#   logp [N, T] (the policy's log-probs, with gradient), old_logp [N, T] (the behaviour policy's, no gradient),
+#   advantages [N] or [N, T] (as the estimator returned them), mask [N, T] 1 on the tokens that get a loss,
+#   epsilon_low, epsilon_high float, dual_clip float or None (the recipe's algorithm.* values).
+POLICY_LOSS_KWARGS = ("logp", "old_logp", "advantages", "mask", "epsilon_low", "epsilon_high", "dual_clip")
+POLICY_LOSS_RETURNS = ("a PolicyLossOutput (or a tensor) whose per_token_loss is [N, T] like logp, finite, with a "
+                       "gradient through logp")
+_USER_LOSSES: dict[tuple[str, str], Callable[..., PolicyLossOutput]] = {}
 # |log importance ratio| is clamped here before exp (as verl and OpenRLHF do): exp(20) ~ 5e8 is far past any clip
 # range, and an unclamped exp of a wild log-ratio overflows to inf and turns the loss into NaN
 LOG_RATIO_CLAMP = 20.0
@@ -35,6 +52,59 @@ def register_policy_loss(name: str):
         POLICY_LOSSES[name] = fn
         return fn
     return wrap
+
+
+def resolve_policy_loss(ref: str, key: str = "algorithm.policy_loss") -> Callable[..., PolicyLossOutput]:
+    """The loss `ref` names: a key of POLICY_LOSSES, or a user's "file.py:function" checked against the contract
+    (signature, then one call on a made-up batch) the first time it is named; ConfigError naming `key` if not."""
+    if ref in POLICY_LOSSES:
+        return POLICY_LOSSES[ref]
+    if (ref, key) not in _USER_LOSSES:
+        fn = load_user_function(ref, key, "policy loss", POLICY_LOSSES, POLICY_LOSS_KWARGS)
+        old = torch.log(torch.tensor([[0.5, 0.25, 0.5], [0.125, 0.5, 0.5]]))
+        logp = (old + torch.tensor([[0.1, -0.1, 0.0], [0.3, 0.0, -0.2]])).requires_grad_()
+        mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+        trial = dict(logp=logp, old_logp=old, advantages=torch.tensor([1.0, -1.0]), mask=mask, epsilon_low=0.2,
+                     epsilon_high=0.2, dual_clip=None)
+        try:
+            out, problem = _as_loss(fn(**trial), logp, old, mask)
+        except Exception as exc:
+            raise refuse(key, ref, fn, f"raised {type(exc).__name__}: {exc}", POLICY_LOSS_RETURNS) from exc
+        if problem is None and not torch.isfinite(out.per_token_loss).all():
+            problem = "returned a non-finite loss"
+        if problem is None and not out.per_token_loss.requires_grad:
+            problem = "returned a loss with no gradient through logp (it would train nothing)"
+        if problem is not None:
+            raise refuse(key, ref, fn, problem, POLICY_LOSS_RETURNS)
+        _USER_LOSSES[ref, key] = _checked_loss(fn, ref, key)
+    return _USER_LOSSES[ref, key]
+
+
+def _as_loss(out: Any, logp: Tensor, old_logp: Tensor, mask: Tensor) -> tuple[PolicyLossOutput, str | None]:
+    """`out` as a PolicyLossOutput (a bare tensor gets clip fraction 0 and the measured mean ratio), and what is
+    wrong with it (None: fine)."""
+    if isinstance(out, Tensor):
+        zero = torch.zeros((), device=logp.device)
+        out = PolicyLossOutput(out, zero, masked_mean(importance_ratio(logp, old_logp), mask).detach())
+    if not isinstance(out, PolicyLossOutput) or not isinstance(out.per_token_loss, Tensor):
+        return PolicyLossOutput(logp, logp, logp), f"returned {type(out).__name__}, not PolicyLossOutput or a tensor"
+    if out.per_token_loss.shape != logp.shape:
+        return out, f"returned a per-token loss of shape {tuple(out.per_token_loss.shape)} for logp of shape " \
+                    f"{tuple(logp.shape)}"
+    return out, None
+
+
+def _checked_loss(fn: Callable[..., Any], ref: str, key: str) -> Callable[..., PolicyLossOutput]:
+    """`fn` whose answer is checked at every call too (a shape that the made-up batch did not show)."""
+
+    def loss(**kwargs: Any) -> PolicyLossOutput:
+        out, problem = _as_loss(fn(**kwargs), kwargs["logp"], kwargs["old_logp"], kwargs["mask"])
+        if problem is not None:
+            raise TrainingError(f"{key}={ref!r} {problem}; expected {POLICY_LOSS_RETURNS}")
+        return out
+
+    loss.__wrapped__ = fn  # type: ignore[attr-defined]
+    return loss
 
 
 def masked_mean(x: Tensor, mask: Tensor) -> Tensor:

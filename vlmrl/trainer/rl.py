@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from vlmrl.agent.rollout import agent_metrics
-from vlmrl.algorithms.advantages import ADVANTAGES, nonzero_variance_groups, zero_variance_fraction
+from vlmrl.algorithms.advantages import nonzero_variance_groups, resolve_advantage, zero_variance_fraction
 from vlmrl.algorithms.kl import kl_estimate
 from vlmrl.eval.generative import correctness
 from vlmrl.eval.metrics import marker_sets
@@ -263,7 +263,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
         rewards = rewards - reward_kl_beta * kl.sum(-1)
         if greedy_kl is not None:
             baseline = baseline - reward_kl_beta * greedy_kl[rollout.prompt_index]
-    adv = ADVANTAGES[algo.advantage](
+    adv = resolve_advantage(algo.advantage)(
         rewards=rewards, group_size=ctx.rollout.group_size, scale=algo.advantage_scale, mask=mask, kl=kl,
         beta=reward_kl_beta, gamma=algo.gamma, lam=algo.lam, values=values, baseline=algo.reinforce_pp_baseline,
         baseline_rewards=baseline, scored=scored, reduce=rank_sum(ctx))

@@ -16,6 +16,7 @@ import torch
 
 from vlmrl.agent import AgentSpec
 from vlmrl.agent.tools import TOOL_TOKENS
+from vlmrl.algorithms.choices import check_algorithm
 from vlmrl.config import Config, save_config, to_dict, validate
 from vlmrl.data import vocabulary_texts
 from vlmrl.errors import VlmrlError
@@ -201,6 +202,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
         progress = Progress()  # one progress bar and one log: rank 0's
     rewards = reward_specs(cfg)  # the length penalty's limits follow the generation budget unless set
     check_specs(rewards)  # an unknown reward or option fails here, before data or model are built
+    check_algorithm(cfg.algorithm)  # so does a user's estimator or loss that breaks its contract
     Solved.from_config(cfg)  # solved.reward names a component or a registered reward
     warnings = budget_warnings(cfg)
     for warning in warnings:

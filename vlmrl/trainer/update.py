@@ -21,7 +21,7 @@ from torch import Tensor
 
 from vlmrl.algorithms.advantages import nonzero_variance_groups
 from vlmrl.algorithms.kl import kl_estimate
-from vlmrl.algorithms.losses import POLICY_LOSSES, aggregate, dpo_loss, masked_mean, value_loss
+from vlmrl.algorithms.losses import aggregate, dpo_loss, masked_mean, resolve_policy_loss, value_loss
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.scoring import logprob_gap, micro_batches, row_lengths
 from vlmrl.trainer.distributed import all_max, all_sum, gather_counts, no_sync
@@ -152,9 +152,9 @@ def micro_batch_loss(ctx: StepContext, prompts: PromptBatch, traj: Trajectories,
                       with_hidden=critic is not None and critic.mode == "head")
     # used once: the old log-probs are this forward's own (detached), so the first ratio is exactly 1
     old = out.logprobs.detach() if traj.old_logprobs is None else traj.old_logprobs[rows]
-    pl = POLICY_LOSSES[algo.policy_loss](out.logprobs, old, traj.advantages[rows], mask,
-                                         epsilon_low=algo.epsilon_low, epsilon_high=algo.epsilon_high,
-                                         dual_clip=algo.dual_clip)
+    pl = resolve_policy_loss(algo.policy_loss)(logp=out.logprobs, old_logp=old, advantages=traj.advantages[rows],
+                                               mask=mask, epsilon_low=algo.epsilon_low,
+                                               epsilon_high=algo.epsilon_high, dual_clip=algo.dual_clip)
     per_token = pl.per_token_loss
     parts = {"clip_fraction": pl.clip_fraction.item(), "entropy": masked_mean(out.entropy.detach(), mask).item()}
     if traj.ref_logprobs is not None:
