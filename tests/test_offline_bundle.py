@@ -113,24 +113,26 @@ def test_bundle_installs_offline_into_a_venv_with_only_torch_and_runs_the_quick_
                                capture_output=True, text=True, check=True).stdout.strip())
     expose(target, tmp_path / "torch_only")
     (site / "torch_only.pth").write_text(str(tmp_path / "torch_only") + "\n")
+    # the venv sees only its own packages and that .pth: no PYTHONPATH (a checkout on it would be found)
+    alone = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     probe = "import importlib.util as u; print([m for m in ('transformers', 'numpy', 'vlmrl') if u.find_spec(m)])"
-    assert subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path).stdout.strip() == "[]"
+    assert subprocess.run([str(py), "-c", probe], capture_output=True, text=True, cwd=tmp_path,
+                          env=alone).stdout.strip() == "[]"
 
-    env = bundle.offline_env()  # no index, no pip configuration: only the bundle
+    env = {k: v for k, v in bundle.offline_env().items() if k != "PYTHONPATH"}  # no index, no pip config: the bundle
     install = subprocess.run([str(py), "-m", "pip", "install", "--no-index", "--find-links", str(out),
                               "vlmrl[gpu-check]"], capture_output=True, text=True, timeout=1200, env=env,
                              cwd=tmp_path)
     assert install.returncode == 0, install.stdout[-3000:] + install.stderr[-3000:]
     where = subprocess.run([str(py), "-c", "import torch, vlmrl, transformers; print(vlmrl.__file__, torch.__file__)"],
-                           capture_output=True, text=True, cwd=tmp_path)
+                           capture_output=True, text=True, cwd=tmp_path, env=alone)
     vlmrl_file, torch_file = where.stdout.split()
     assert vlmrl_file.startswith(str(venv)) and torch_file.startswith(str(tmp_path / "torch_only"))
 
     report = tmp_path / "quick.json"
     check = subprocess.run([str(py), str(out / "check" / "benchmarks" / "gpu_check.py"), "--quick", "--device", "cpu",
                             "--tiny", "--work", str(tmp_path / "work"), "--out", str(report)],
-                           capture_output=True, text=True, timeout=1200, cwd=tmp_path,
-                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+                           capture_output=True, text=True, timeout=1200, cwd=tmp_path, env=alone)
     assert check.returncode == 0, check.stdout[-4000:] + check.stderr[-4000:]
     result = json.loads(report.read_text())
     assert result["ok"] and [c["status"] for c in result["cases"][:2]] == ["ok", "ok"]
