@@ -9,9 +9,10 @@ version (a checkout of vlmrl, put first on PYTHONPATH) and each `rollout.max_new
 
     vlmrl train model.name_or_path=FOLDER sft.steps=0 trainer.steps=STEPS rollout.max_new_tokens=T
 
-on the default 16 x 8 rollout batch, in a fresh process. Peak RSS is that process's own (`os.wait4`); seconds per step
-are the mean of `time/collect_score + time/update` over the steps after the first. A process is capped at
-`--limit-gb` of address space, so a run that would not fit fails instead of taking the machine down ("does not fit").
+with the quickstart recipe's rollout (16 x 8 per step; random weights give no group a signal, so dynamic sampling's
+fill draw makes one generation call of 7 x 16 prompts x 8 = 896 answers) in a fresh process. Peak RSS is that
+process's own (`os.wait4`); seconds per step are the mean of `time/collect_score + time/update` over the steps after
+the first. A process is capped at `--limit-gb` of address space, so a run that would not fit fails instead of taking the machine down ("does not fit").
 `--quickstart` instead runs the default quickstart shortened to `--quickstart-steps` RL steps (its SFT warm-start in
 full) and reports wall time and peak RSS. Versions alternate run by run, so machine noise hits them alike. `--env NAME:KEY=VALUE` sets a variable for one
 version's runs, e.g. `--code glibc=. --env glibc:VLMRL_MALLOC_REUSE=0` measures the current code without the
@@ -103,7 +104,8 @@ def main(argv: list[str]) -> int:
                 r = run_train(code, args, work / f"{name}-{tokens}", a.limit_gb, a.threads, envs.get(name))
                 results.append({"code": name, "max_new_tokens": tokens, **r})
                 print(json.dumps(results[-1]), flush=True)
-        print(f"\n151,936-token vocabulary, 16 x 8 rollout batch, {a.threads} threads, cap {a.limit_gb:g} GB")
+        print(f"\n151,936-token vocabulary, the quickstart's rollout (calls of 112 x 8), {a.threads} threads, "
+              f"cap {a.limit_gb:g} GB")
         print(f"{'code':10s} {'new tokens':>10s} {'peak RSS GB':>12s} {'s/step':>8s}")
         for r in results:
             if r["ok"]:
