@@ -132,12 +132,17 @@ def test_lora_keeps_the_base_tower_frozen_so_its_features_are_kept(tiny_model_di
 
 def test_a_repeated_image_runs_the_tower_once_per_call_trainable_or_not(policy, count_samples):
     """A multi-turn batch holds its prompt's image once per trajectory: within one call the tower runs once per
-    distinct image (by key), and the embeddings and the tower's gradients are those of running it on every copy."""
+    distinct image (by key), and the embeddings and the tower's gradients are those of running it on every copy.
+    Other batches (an SFT batch that drew a sample twice) run every image, bit for bit as before."""
+    from vlmrl.agent.render import conversation_batch
+
     fam = policy.family
     one = prompts(policy, count_samples[:2])
-    batch = concat_prompt_batches([one, one, one], policy.pad_token_id)  # every image three times
-    assert batch.keys_of_images() == one.keys_of_images() * 3 and None not in batch.keys_of_images()
-    keyless = concat_prompt_batches([one, one, one], policy.pad_token_id)
+    tail = policy.processor.tokenizer("a", add_special_tokens=False)["input_ids"]
+    rows = [0, 1, 0, 1, 0, 1]  # three trajectories per prompt: every image three times
+    batch = conversation_batch(policy.processor, one, rows, [tail] * 6, [[]] * 6, [[1] * len(tail)] * 6)
+    assert batch.keys_of_images() == [one.keys_of_images()[r] for r in rows] and None not in batch.keys_of_images()
+    keyless = conversation_batch(policy.processor, one, rows, [tail] * 6, [[]] * 6, [[1] * len(tail)] * 6)
     keyless.image_keys = []
 
     def run(b):
@@ -152,6 +157,8 @@ def test_a_repeated_image_runs_the_tower_once_per_call_trainable_or_not(policy, 
     shared, shared_grads, calls = run(batch)
     plain, plain_grads, plain_calls = run(keyless)
     assert (calls, plain_calls) == (2, 6)
+    repeated = concat_prompt_batches([one, one, one], policy.pad_token_id)  # not a multi-turn batch: as before
+    assert run(repeated)[2] == 6
     assert torch.equal(shared, plain)  # the same rows (each image's features depend on it alone)
     assert shared_grads.keys() == plain_grads.keys() and shared_grads
     for k in shared_grads:  # the copies' gradients summed before the tower instead of after: float32 rounding only

@@ -7,9 +7,10 @@ features the first time they are computed and hands them back after that, exactl
 again (the tower processes images independently: a feature row depends on its own image only).
 
 An image's key is its processor-cache serial (`PromptBatch.image_keys`, vlmrl.models.families.processor.ImageCache):
-a batch built without keys or with the processor cache off runs the tower as before. Within one call, the same key
-twice (a multi-turn batch carries its prompt's image once per trajectory) runs the tower once, whether the tower
-trains or not: the copies reuse its rows, and their gradients add up in them.
+a batch built without keys or with the processor cache off runs the tower as before. Within one call of a multi-turn
+batch (a `ConversationBatch`, which carries its prompt's image once per trajectory) the same key twice runs the tower
+once, whether the tower trains or not: the copies reuse its rows, and their gradients add up in them. Other batches
+run every image they hold (an SFT batch that drew a sample twice stays bit-identical to before).
 The cache checks the tower's weights on every call (the storage and in-place version counter of each vision and
 projector parameter) and starts over when any changed: a loaded checkpoint or an optimizer step on a weight that was
 unfrozen is never served stale features. It applies only where every vision and projector weight is frozen, the
@@ -26,7 +27,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from vlmrl.models.batch import PromptBatch
+from vlmrl.models.batch import ConversationBatch, PromptBatch
 
 
 class VisionFeatureCache:
@@ -93,8 +94,12 @@ def cached_image_features(family, batch: PromptBatch) -> tuple[Tensor, dict[str,
     if params is not None:
         cache.check_weights(params)
     found = [cache.get(k) for k in keys] if params is not None else [None] * len(keys)
+    # within a call each key once where copies are structural (a multi-turn batch: its prompt's image once per
+    # trajectory); elsewhere (an SFT batch that drew one sample twice) every image runs as before, bit for bit
+    shared = isinstance(batch, ConversationBatch)
     first: dict[int, int] = {}  # each key's first image still to compute; its copies reuse those rows
-    missing = [i for i, k in enumerate(keys) if found[i] is None and (k is None or first.setdefault(k, i) == i)]
+    missing = [i for i, k in enumerate(keys)
+               if found[i] is None and (k is None or not shared or first.setdefault(k, i) == i)]
     if len(missing) == len(keys):  # nothing cached, nothing repeated: the plain call
         feats, extras = family.image_features(batch)
         if params is not None:
@@ -115,5 +120,5 @@ def cached_image_features(family, batch: PromptBatch) -> tuple[Tensor, dict[str,
             found[i] = part
             if params is not None:
                 cache.put(keys[i], part.clone())
-    found = [f if f is not None else found[first[k]] for f, k in zip(found, keys, strict=True)]
+    found = [f if f is not None else found[first[k]] for f, k in zip(found, keys, strict=True)]  # (copies only)
     return (found[0] if len(found) == 1 else torch.cat(found)), {}, len(missing)
