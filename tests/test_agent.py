@@ -355,8 +355,11 @@ def test_demonstrations_are_checked_before_they_teach(policy, count_samples):
     cfg = load_config(None, ["agent.tools=[zoom]", "agent.turn_tokens=8"])
     with pytest.raises(ConfigError, match="agent.turn_tokens=8 is too short for the demonstrations"):
         check_demonstration_lengths(policy, cfg, [good])
-    with pytest.raises(ConfigError, match="rollout.engine=vllm with an agent section"):
-        load_config(None, ["agent.tools=[zoom]", "rollout.engine=vllm", "model.device=cuda"])
+    # agents run on vLLM (tests/test_vllm_agent.py); the engine's context must hold a whole trajectory
+    assert load_config(None, ["agent.tools=[zoom]", "rollout.engine=vllm", "model.device=cuda"]).agent.enabled
+    with pytest.raises(ConfigError, match=r"max_model_len=600 < data.max_prompt_length \+ agent.max_total_tokens"):
+        load_config(None, ["agent.tools=[zoom]", "rollout.engine=vllm", "model.device=cuda",
+                           "rollout.vllm={max_model_len: 600}", "agent.max_total_tokens=512"])
 
 
 def test_agentic_recipe_trains_evaluates_and_reports(tmp_path):

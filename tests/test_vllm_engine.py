@@ -117,6 +117,12 @@ class FakeLLM:
     def reset_prefix_cache(self):
         self.events.append("reset")
 
+    def reset_encoder_cache(self):
+        self.events.append("reset_encoder")
+
+    def reset_mm_cache(self):
+        self.events.append("reset_mm")
+
     def generate(self, requests, params, use_tqdm=False):
         self.events.append("generate")
         self.requests = requests
@@ -256,8 +262,9 @@ def test_full_finetuning_pushes_the_trainable_parameters(tiny_model_dir, fake_vl
 def test_push_weights_goes_back_to_sleep_and_only_generate_wakes(policy, count_samples, fake_vllm):
     engine = VLLMEngine("unused", {"sleep": True})
     assert engine.asleep and engine.llm.events == ["sleep"]
-    engine.push_weights(policy)
-    assert engine.asleep and engine.llm.events == ["sleep", "wake", "load", "reset", "sleep"]
+    engine.push_weights(policy)  # (the tiny policy's vision tower trains: its image caches are reset too)
+    assert engine.asleep and engine.llm.events == ["sleep", "wake", "load", "reset", "reset_encoder", "reset_mm",
+                                                   "sleep"]
     prompts = make_prompts(policy, count_samples[:2])
     r = engine.generate(policy, prompts, count_samples[:2], 2, 4, 1.0, 0, 1.0, [1, 2])
     assert engine.asleep and engine.llm.events[-3:] == ["wake", "generate", "sleep"]

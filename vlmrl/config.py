@@ -372,9 +372,6 @@ def _device(c: Config) -> str | None:
     kind, _, index = d.partition(":")
     if kind not in ("cpu", "cuda", "mps", "xpu") or (index and not index.isdigit()) or (kind == "cpu" and index):
         return f"model.device={d!r}: expected cpu, cuda, cuda:N, mps or xpu"
-    if c.rollout.engine == "vllm" and c.agent.enabled:
-        return ("rollout.engine=vllm with an agent section: multi-turn rollouts run on the built-in sampler so far; "
-                "set rollout.engine=hf, or remove agent.tools / agent.env")
     if c.rollout.engine == "vllm" and kind != "cuda":
         return f"rollout.engine=vllm runs on GPUs: set model.device=cuda (got {d!r}), or rollout.engine=hf"
     return None
@@ -382,9 +379,12 @@ def _device(c: Config) -> str | None:
 
 def _context(c: Config) -> str | None:
     length = c.rollout.vllm.get("max_model_len")
-    need = c.data.max_prompt_length + c.rollout.max_new_tokens
+    # an agent's trajectory is its prompt and up to agent.max_total_tokens after it (turns and observations)
+    after, key = ((c.agent.max_total_tokens, "agent.max_total_tokens") if c.agent.enabled
+                  else (c.rollout.max_new_tokens, "rollout.max_new_tokens"))
+    need = c.data.max_prompt_length + after
     if isinstance(length, int) and length < need:
-        return (f"rollout.vllm.max_model_len={length} < data.max_prompt_length + rollout.max_new_tokens = {need}: "
+        return (f"rollout.vllm.max_model_len={length} < data.max_prompt_length + {key} = {need}: "
                 f"raise max_model_len or lower the other two")
     return None
 
@@ -441,14 +441,14 @@ RULES: tuple[Rule, ...] = (
     Rule(("model.tiny",), "`model.tiny`: `hidden_size / num_heads` even and >= 6; `num_heads` a multiple of "
          "`num_kv_heads`; `vision_dim` a multiple of `vision_heads`", _tiny_shapes),
     Rule(("model.device", "rollout.engine"), "`model.device` is cpu, cuda, cuda:N, mps or xpu; `rollout.engine: "
-         "vllm` needs cuda and no `agent` section", _device),
+         "vllm` needs cuda", _device),
     Rule(("algorithm.kl_target", "algorithm.beta"), "`algorithm.kl_target` needs `beta > 0` (its start value)",
          _kl_target),
     Rule(("replay.weight", "replay.data"), "`replay.weight > 0` needs `replay.data` or `data.sft`", _replay),
     Rule(("data.preferences", "curriculum", "replay.weight"), "`data.preferences` (offline DPO) runs without a "
          "curriculum and replay", _offline_dpo),
     Rule(("rollout.vllm.max_model_len",), "`rollout.vllm.max_model_len` >= `data.max_prompt_length + "
-         "rollout.max_new_tokens`", _context),
+         "rollout.max_new_tokens` (with an agent: `+ agent.max_total_tokens`)", _context),
 )
 
 

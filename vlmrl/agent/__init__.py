@@ -38,9 +38,10 @@ class AgentSpec:
         return cls(limits, tools, resolve_env(cfg.env), processor.max_image_pixels())
 
     def rollout(self, policy, prompts, samples, group_size, temperature, top_k=0, top_p=1.0,
-                prompt_seeds=None) -> AgentRollout:
+                prompt_seeds=None, engine=None) -> AgentRollout:
+        """`engine`: a `VLLMEngine` (rollout.engine=vllm) to sample every turn on; None: the built-in sampler."""
         return agent_rollout(policy, prompts, samples, group_size, self.limits, self.tools, self.make_env, temperature,
-                             top_k, top_p, prompt_seeds, self.max_pixels)
+                             top_k, top_p, prompt_seeds, self.max_pixels, engine)
 
 
 __all__ = ["AgentLimits", "AgentRollout", "AgentSpec", "agent_rollout"]

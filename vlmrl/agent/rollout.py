@@ -11,6 +11,13 @@ environment says so, at `max_turns`, when a turn uses its budget without an end 
 would leave it no room for another token (`max_total_tokens`) or pass its image budget (`max_images`) — these
 count as truncated — or when an observation cannot be rendered (`agent/ended/render_error`; the run goes on).
 
+With `engine` (rollout.engine=vllm, vlmrl.rollout.vllm_engine) the same loop samples on vLLM: turn 0 one request
+per prompt (G answers from the prompt's seed), each later turn one request per live trajectory with the ids of the
+`ConversationBatch` the built-in sampler would run (the trainer's ids exactly), all its images, its own seed and its
+own budget; the engine stays awake from the first turn to the last. vLLM cannot be told that an image placeholder
+id the policy sampled is text (the built-in sampler and training mark it so), so such a trajectory ends before its
+next turn (`agent/ended/sampled_placeholder`).
+
 The result is an ordinary `Rollout` whose completion is everything after the prompt (the policy's tokens and the
 observations) with `completion_mask` on the policy's tokens only, plus the `ConversationBatch` of the whole
 trajectories that every log-prob pass runs on. So advantages, losses, KL, micro-batching and checkpoints work on
@@ -19,6 +26,7 @@ multi-turn trajectories unchanged, and an observation token never gets a gradien
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +37,7 @@ from vlmrl.agent.tools import Tool, ToolContext
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
 from vlmrl.rollout.generate import OnToken, Rollout, generate
+from vlmrl.rollout.vllm_requests import batch_requests
 
 
 @dataclass
@@ -77,7 +86,7 @@ class AgentRollout:
                 "env_reward": [e.env_reward for e in self.episodes]}
 
 
-ENDINGS = ("budget", "env_raised", "render_error")  # what ends an episode early (agent/ended/<kind>)
+ENDINGS = ("budget", "env_raised", "render_error", "sampled_placeholder")  # what ends an episode early (agent/ended/<kind>)
 
 
 def agent_metrics(columns: dict[str, list]) -> dict[str, float]:
@@ -137,9 +146,17 @@ def _step_env(episode: Episode, text: str) -> Observation:
 def agent_rollout(policy: Policy, prompts: PromptBatch, samples: list[dict], group_size: int, limits: AgentLimits,
                   tools: dict[str, Tool], make_env: EnvFactory, temperature: float, top_k: int = 0,
                   top_p: float = 1.0, prompt_seeds: list[int] | None = None,
-                  max_pixels: int | None = None) -> AgentRollout:
+                  max_pixels: int | None = None, engine=None) -> AgentRollout:
     """G multi-turn trajectories per prompt (module docstring). `prompt_seeds`: one per prompt (None: the global
-    torch generator, not reproducible across batch layouts)."""
+    torch generator, not reproducible across batch layouts). `engine`: a `VLLMEngine` to sample on (None: the
+    built-in sampler)."""
+    with engine.awake() if engine is not None else nullcontext():  # every turn in one waking (the prefix cache)
+        return _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env, temperature, top_k,
+                              top_p, prompt_seeds, max_pixels, engine)
+
+
+def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env, temperature, top_k, top_p,
+                   prompt_seeds, max_pixels, engine) -> AgentRollout:
     renderer = TurnRenderer(policy.processor)
     episodes = []
     for p, sample in enumerate(samples):
@@ -155,7 +172,12 @@ def agent_rollout(policy: Policy, prompts: PromptBatch, samples: list[dict], gro
         # each trajectory's own budget: its turn's tokens, within the room its episode has left (at least one token:
         # an observation that would leave none ends the episode below), so what else shares the batch never matters
         budgets = [min(limits.turn_tokens, limits.max_total_tokens - len(e.ids)) for e in live]
-        if turn == 0:  # the prompt once per group, G answers from the prompt's own stream: the single-turn sampler
+        if turn == 0 and engine is not None:  # a request per prompt: G answers from the prompt's seed
+            shown = [list(s.get("images") or []) for s in samples]
+            out = engine.sample(policy, batch_requests(policy, prompts, shown, prompt_seeds,
+                                                       budgets[::group_size], group_size, turn),
+                                temperature, top_k, top_p)
+        elif turn == 0:  # the prompt once per group, G answers from the prompt's own stream: the single-turn sampler
             out = generate(policy, prompts, group_size, max(budgets), temperature, top_k, top_p,
                            prompt_seeds=prompt_seeds, on_token=row_budgets(budgets))
         else:
@@ -164,8 +186,13 @@ def agent_rollout(policy: Policy, prompts: PromptBatch, samples: list[dict], gro
             index = {id(e): i for i, e in enumerate(episodes)}
             turn_seeds = None if prompt_seeds is None else \
                 [turn_seed(seeds[e.prompt], index[id(e)] % group_size, turn) for e in live]
-            out = generate(policy, batch, 1, max(budgets), temperature, top_k, top_p, prompt_seeds=turn_seeds,
-                           on_token=row_budgets(budgets))
+            if engine is not None:  # the trainer's ids of each trajectory, its images, seed and budget
+                shown = [list(e.sample.get("images") or []) + e.images for e in live]
+                out = engine.sample(policy, batch_requests(policy, batch, shown, turn_seeds, budgets, 1, turn),
+                                    temperature, top_k, top_p)
+            else:
+                out = generate(policy, batch, 1, max(budgets), temperature, top_k, top_p, prompt_seeds=turn_seeds,
+                               on_token=row_budgets(budgets))
         for j, e in enumerate(live):
             n = int(out.completion_mask[j].sum())
             ids = out.completion_ids[j, :n].tolist()
@@ -188,6 +215,10 @@ def agent_rollout(policy: Policy, prompts: PromptBatch, samples: list[dict], gro
                 e.env_reward = (e.env_reward or 0.0) + obs.reward
             if obs.done or turn == limits.max_turns - 1:
                 e.done = True
+                continue
+            if engine is not None and policy.processor.image_token_id in ids:  # vLLM would read it as an image slot
+                e.done = True
+                t["errors"].append("sampled_placeholder")
                 continue
             try:
                 obs_ids, images, _ = renderer.observation(obs.content, str(e.sample.get("id")), turn + 1)

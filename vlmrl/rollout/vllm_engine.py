@@ -2,15 +2,24 @@
 
 `rollout.engine: vllm` replaces the built-in sampler (vlmrl/rollout/generate.py) with a `vllm.LLM` living in each
 training process (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode), fed by the same
-preprocessing path as training:
+preprocessing path as training (vlmrl/rollout/vllm_requests.py builds what is sent):
 
 - the prompt token ids are the training processor's (images already expanded to their placeholder tokens), and the
   PIL images are the samples' own, with the processor's pixel budget (`image_processor.size`, see `_image_budget`)
-  passed as `mm_processor_kwargs` {"min_pixels", "max_pixels"}; vLLM checks that its image features fill exactly
-  those placeholders;
+  passed as `mm_processor_kwargs` {"min_pixels", "max_pixels"}; placeholders are counted against the images' features
+  before sending, and vLLM checks again that its image features fill exactly those placeholders;
 - one request per prompt with `n = G` and the prompt's own seed (`prompt_seed`), so a step samples the same answers
   however prompts are sharded;
 - each sampled token's log-prob, `logprobs_mode="processed_logprobs"` (see "Log-probs" below).
+
+Multi-turn (agents, vlmrl/agent/rollout.py): turn 0 is the request per prompt above, with the turn's token budget.
+Each later turn sends one request per live trajectory (`sample`): the trajectory's whole token ids as the trainer
+will score them (prompt, every sampled id verbatim, every observation's ids; built by the same `conversation_batch`
+that makes the training rows, never re-tokenised text), all its images so far (the prompt's, then each
+observation's), its own seed (`turn_seed` of its prompt's seed, its place in the group and the turn) and its own
+budget (`max_tokens`: the turn's tokens within the room its episode has left). The whole rollout runs inside one
+`awake()` block: the engine sleeps only after the last turn, so vLLM's prefix cache (`enable_prefix_caching`)
+still holds turn t's keys and values when turn t + 1 extends the same ids.
 
 Process group: the external launcher reads RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Under torchrun
 they are torchrun's; in a plain single process (`vlmrl train rollout.engine=vllm` on one GPU) `launcher_env` sets a
@@ -22,10 +31,16 @@ loaded from the checkpoint vLLM started from), under the base model's parameter 
 policy is written: for every adapted layer the merged weight W + sum over active adapters of scaling * B @ A is built
 out of place, in float32, then cast to W's dtype, and pushed in W's place (merging into W and unmerging again would
 drift W by a rounding error at every push in bf16, and W is also the KL reference). The merged tensors go to vLLM's
-`load_weights` as an iterator, made one at a time as it consumes them, not all held at once.
+`load_weights` as an iterator, made one at a time as it consumes them, not all held at once (vllm_weights.py).
+After every push the prefix cache is reset; when the push holds vision-tower or projector weights (full fine-tuning
+with the tower training, LoRA with `include_vision`), the encoder cache and the multimodal cache are reset too
+(`reset_caches`): vLLM keys cached image features by the image alone, so without it a repeated image (every step's
+prompts for a fixed dataset, the same tool crop) would keep features of the old weights. This holds for single-turn
+rollouts too. A vLLM without `LLM.reset_encoder_cache` is refused when vision weights train.
 
-Memory: the engine sleeps (level 1: weights offloaded to CPU memory, KV cache freed) except while `generate` samples
-and `push_weights` loads weights, so training and evaluation get the GPU memory back.
+Memory: the engine sleeps (level 1: weights offloaded to CPU memory, KV cache freed) except inside `awake()`: while a
+rollout samples (every turn of a multi-turn one) and `push_weights` loads weights, so training and evaluation get
+the GPU memory back.
 
 Log-probs: vLLM offers raw log-probs (before any logits processing, so before temperature) or processed ones (after
 temperature *and* top-k/top-p, renormalised over the kept tokens); none sits between. vlmrl's sampler and training
@@ -44,19 +59,24 @@ CPU torchvision is installed (docs/scaling.md).
 from __future__ import annotations
 
 import os
-import re
 import socket
 from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from vlmrl.errors import ConfigError
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
 from vlmrl.rollout.generate import Rollout
+from vlmrl.rollout.vllm_requests import EngineRequest, batch_requests, to_rollout
+from vlmrl.rollout.vllm_weights import _hf_name, shapes_images, weights_to_push
+
+__all__ = ["DEFAULTS", "LAUNCHER_KEYS", "EngineRequest", "VLLMEngine", "_hf_name", "_image_budget", "batch_requests",
+           "launcher_env", "to_rollout", "weights_to_push"]
 
 DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.3,  # vLLM's share of the GPU; the rest stays with training
@@ -115,63 +135,13 @@ def _image_budget(policy: Policy) -> dict[str, int]:
     return {k: int(v) for k, v in budget.items() if v is not None}
 
 
-def _hf_name(name: str) -> str:
-    """A PEFT parameter name as the base model names it: `base_model.model.x.base_layer.weight` -> `x.weight`,
-    `base_model.model.x.modules_to_save.default.weight` -> `x.weight`."""
-    name = name.removeprefix("base_model.model.")
-    return re.sub(r"\.(?:base_layer|modules_to_save\.[^.]+)(?=\.)", "", name)
-
-
-def _is_lora_layer(module: nn.Module) -> bool:
-    return all(hasattr(module, a) for a in ("base_layer", "lora_A", "lora_B", "scaling", "active_adapters"))
-
-
-def _lora_delta(layer: nn.Module, weight: Tensor) -> Tensor | None:
-    """sum over the layer's active adapters of scaling * B @ A (transposed for fan_in_fan_out), in float32; None when
-    the adapters are disabled or none is on this layer."""
-    if getattr(layer, "disable_adapters", False):
-        return None
-    if getattr(layer, "merged", False):
-        raise RuntimeError("push_weights: a LoRA layer has its adapters merged into its base weight; the merged weight "
-                           "is built out of place, the base must stay the unmerged one")
-    delta = None
-    for name in layer.active_adapters:
-        if name not in layer.lora_A:
-            continue
-        if getattr(layer, "use_dora", {}).get(name) or getattr(layer, "lora_bias", {}).get(name):
-            raise NotImplementedError("push_weights merges plain LoRA only (no DoRA, no lora_bias)")
-        d = (layer.lora_B[name].weight.float() @ layer.lora_A[name].weight.float()) * layer.scaling[name]
-        d = d.T if getattr(layer, "fan_in_fan_out", False) else d
-        delta = d.to(weight.device) if delta is None else delta + d.to(weight.device)
-    return delta
-
-
-@torch.no_grad()
-def weights_to_push(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """(base-model name, tensor) of what vLLM needs after an update, one at a time: every LoRA layer's merged weight
-    (W + delta computed in float32, cast to W's dtype; W itself untouched), then every other trainable parameter
-    (full fine-tuning: all of them; under LoRA e.g. `modules_to_save`). Adapter parameters are never pushed."""
-    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    pushed = set()
-    for module in model.modules():
-        if not _is_lora_layer(module):
-            continue
-        weight = module.get_base_layer().weight if hasattr(module, "get_base_layer") else module.base_layer.weight
-        delta = _lora_delta(module, weight)
-        merged = weight.detach() if delta is None else (weight.float() + delta).to(weight.dtype)
-        name = _hf_name(names[id(weight)])
-        pushed.add(name)
-        yield name, merged
-    for name, p in model.named_parameters():
-        if p.requires_grad and ".lora_" not in name and _hf_name(name) not in pushed:
-            yield _hf_name(name), p.detach()
-
-
 class VLLMEngine:
     """A colocated vLLM engine for one training process; see the module docstring.
 
     `device`: the GPU this process trains on, e.g. "cuda:3" for torchrun's LOCAL_RANK 3 (None: cuda:LOCAL_RANK).
-    vLLM places its worker on cuda:LOCAL_RANK, so a device with another index is refused (`launcher_env`)."""
+    vLLM places its worker on cuda:LOCAL_RANK, so a device with another index is refused (`launcher_env`).
+    Everything vLLM-specific goes through `self.llm` (a `vllm.LLM`) and `vllm.SamplingParams`; a test replaces
+    `vllm.LLM` only."""
 
     def __init__(self, model_dir: str | Path, options: dict[str, Any] | None = None, seed: int = 0,
                  device: str | None = None):
@@ -190,13 +160,14 @@ class VLLMEngine:
         self.llm = LLM(model=str(model_dir), dtype=o["dtype"], gpu_memory_utilization=o["gpu_memory_utilization"],
                        max_model_len=o["max_model_len"], enforce_eager=o["enforce_eager"],
                        enable_sleep_mode=o["sleep"], distributed_executor_backend="external_launcher", seed=seed,
-                       logprobs_mode="processed_logprobs")
+                       logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         self.asleep = False
+        self._awake = 0  # open `awake()` blocks
         self.sleep()
 
     # -- phases -------------------------------------------------------------------------------------------------------
     def sleep(self) -> None:
-        if self.options["sleep"] and not self.asleep:
+        if self.options["sleep"] and not self.asleep and not self._awake:
             self.llm.sleep(level=1)
             self.asleep = True
 
@@ -205,13 +176,25 @@ class VLLMEngine:
             self.llm.wake_up()
             self.asleep = False
 
+    @contextmanager
+    def awake(self) -> Iterator[None]:
+        """Awake for the whole block (nested blocks included), asleep after the outermost one ends: a multi-turn
+        rollout runs every turn in one block, so the prefix cache still holds turn t's keys and values at turn
+        t + 1 (sleeping frees the KV cache)."""
+        self.wake()
+        self._awake += 1
+        try:
+            yield
+        finally:
+            self._awake -= 1
+            self.sleep()
+
     # -- weights ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def push_weights(self, policy: Policy) -> int:
         """Load the policy's trainable weights into vLLM (LoRA: the merged weights of adapted layers, built out of
-        place; see `weights_to_push`) and go back to sleep; returns how many tensors were pushed. Call with full
-        parameters (under FSDP2 inside `gathered(forward)`)."""
-        self.wake()
+        place; see `weights_to_push`), reset the caches they make stale (`reset_caches`) and go back to sleep;
+        returns how many tensors were pushed. Call with full parameters (under FSDP2 inside `gathered(forward)`)."""
         names: list[str] = []
 
         def stream() -> Iterator[tuple[str, Tensor]]:
@@ -219,64 +202,70 @@ class VLLMEngine:
                 names.append(name)
                 yield name, tensor
 
-        self._load(stream())
-        self.llm.reset_prefix_cache()
-        self.sleep()
+        with self.awake():
+            self._load(stream())
+            self.reset_caches(images=shapes_images(names, policy.family))
         return len(names)
 
     def _load(self, weights: Iterator[tuple[str, Tensor]]) -> None:
         self.llm.apply_model(lambda model: model.load_weights(weights))
 
+    def reset_caches(self, images: bool) -> list[str]:
+        """After a push: the prefix cache always (its keys and values came from the old weights); with `images`
+        (vision-tower or projector weights were pushed) also the encoder cache and the multimodal cache, which vLLM
+        keys by the image alone, so a repeated image would otherwise keep features of the old weights. Returns the
+        caches reset, in order. A vLLM without `reset_encoder_cache` cannot make a training vision tower's images
+        fresh: an error, before it samples from stale features."""
+        done = ["prefix"]
+        self.llm.reset_prefix_cache()
+        if images:
+            for cache, method in (("encoder", "reset_encoder_cache"), ("multimodal", "reset_mm_cache")):
+                reset = getattr(self.llm, method, None)
+                if reset is None and cache == "encoder":
+                    raise RuntimeError("rollout.engine=vllm: vision-tower or projector weights train, and this vLLM "
+                                       "has no LLM.reset_encoder_cache(), so a repeated image would be encoded with "
+                                       "old weights; upgrade vLLM, or freeze them (model.freeze_vision=true and "
+                                       "model.freeze_projector=true)")
+                if reset is not None:
+                    reset()
+                    done.append(cache)
+        return done
+
     # -- generation ---------------------------------------------------------------------------------------------------
     def generate(self, policy: Policy, prompts: PromptBatch, samples: list[dict], group_size: int,
                  max_new_tokens: int, temperature: float, top_k: int, top_p: float,
-                 prompt_seeds: list[int]) -> Rollout:
-        """G answers per prompt; the same `Rollout` as the built-in sampler."""
+                 prompt_seeds: list[int] | None) -> Rollout:
+        """G answers per prompt, each prompt from its own seed; the same `Rollout` as the built-in sampler."""
+        images = [list(s.get("images") or []) for s in samples]
+        requests = batch_requests(policy, prompts, images, prompt_seeds, [max_new_tokens] * len(samples),
+                                  group_size)
+        return self.sample(policy, requests, temperature, top_k, top_p)
+
+    def sample(self, policy: Policy, requests: list[EngineRequest], temperature: float, top_k: int,
+               top_p: float) -> Rollout:
+        """The requests' answers as one `Rollout` (row order: request by request, its n answers together), each
+        request with its own ids, images, seed and budget; `n` must be the same for all. Awake during the call (and
+        kept awake by an enclosing `awake()` block)."""
         from vllm import SamplingParams
 
-        self.wake()
+        if not requests:
+            raise ValueError("VLLMEngine.sample: no requests")
+        n = requests[0].n
+        if any(q.n != n for q in requests):
+            raise ValueError("VLLMEngine.sample: every request of a call has the same number of answers")
         budget = _image_budget(policy)
-        requests = []
-        for p, sample in enumerate(samples):
-            ids = prompts.input_ids[p][prompts.attention_mask[p].bool()].tolist()
-            request: dict[str, Any] = {"prompt_token_ids": ids}
-            if sample.get("images"):
-                images = sample["images"]
-                request["multi_modal_data"] = {"image": list(images) if len(images) > 1 else images[0]}
+        prompts = []
+        for q in requests:
+            prompt: dict[str, Any] = {"prompt_token_ids": list(q.ids)}
+            if q.images:
+                prompt["multi_modal_data"] = {"image": list(q.images) if len(q.images) > 1 else q.images[0]}
                 if budget:
-                    request["mm_processor_kwargs"] = budget
-            requests.append(request)
-        params = [SamplingParams(n=group_size, temperature=temperature, top_k=top_k if top_k > 0 else -1,
-                                 top_p=top_p, max_tokens=max_new_tokens, seed=int(seed), logprobs=0,
+                    prompt["mm_processor_kwargs"] = budget
+            prompts.append(prompt)
+        params = [SamplingParams(n=n, temperature=temperature, top_k=top_k if top_k > 0 else -1, top_p=top_p,
+                                 max_tokens=q.max_tokens, seed=None if q.seed is None else int(q.seed), logprobs=0,
                                  stop_token_ids=list(policy.eos_token_ids), detokenize=False)
-                  for seed in prompt_seeds]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        self.sleep()
-        return to_rollout(policy, outputs, group_size, max_new_tokens)
-
-
-def to_rollout(policy: Policy, outputs, group_size: int, max_new_tokens: int) -> Rollout:
-    """vLLM's RequestOutputs (one per prompt, G completions each) as a `Rollout`: ids right-padded to
-    max_new_tokens, mask 1 on generated tokens (the end token included), sampling log-probs, truncation flags."""
-    n = len(outputs) * group_size
-    ids = torch.full((n, max_new_tokens), policy.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((n, max_new_tokens), dtype=torch.long)
-    logps = torch.zeros((n, max_new_tokens))
-    truncated = torch.zeros(n, dtype=torch.bool)
-    eos = set(policy.eos_token_ids)
-    row = 0
-    for out in outputs:
-        if len(out.outputs) != group_size:
-            raise RuntimeError(f"vLLM returned {len(out.outputs)} answers for a prompt, expected {group_size}")
-        for completion in out.outputs:
-            tokens = list(completion.token_ids)[:max_new_tokens]
-            ids[row, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            mask[row, :len(tokens)] = 1
-            for t, (token, entry) in enumerate(zip(tokens, completion.logprobs or [], strict=False)):
-                logps[row, t] = entry[token].logprob
-            truncated[row] = not tokens or tokens[-1] not in eos
-            row += 1
-    clean = ids.masked_fill(torch.isin(ids, torch.tensor(sorted(eos))), policy.pad_token_id)
-    texts = policy.processor.tokenizer.batch_decode(clean, skip_special_tokens=True)
-    index = torch.arange(len(outputs)).repeat_interleave(group_size)
-    return Rollout(index, ids, mask, logps, truncated, texts)
+                  for q in requests]
+        with self.awake():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return to_rollout(policy, outputs, n, max(q.max_tokens for q in requests))

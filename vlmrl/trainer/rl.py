@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -73,9 +74,10 @@ def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None
     seeds = [prompt_seed(ctx.trainer.seed, ctx.step, round_index, offset + i) for i in range(len(samples))]
     temperature = r.temperature if temperature is None else temperature
     if ctx.agent is not None:  # multi-turn: the rollout's context holds each trajectory's whole conversation
-        with ctx.policy.sampling(), gathered(ctx.forward):
+        # (on vLLM every turn samples in the engine: the policy's full parameters are not needed)
+        with ctx.policy.sampling(), gathered(ctx.forward) if ctx.engine is None else nullcontext():
             out = ctx.agent.rollout(ctx.policy, prompts, samples, group_size or r.group_size, temperature, r.top_k,
-                                    r.top_p, seeds)
+                                    r.top_p, seeds, engine=ctx.engine)
         return prompts, out.rollout
     if ctx.engine is not None:
         return prompts, ctx.engine.generate(ctx.policy, prompts, samples, group_size or r.group_size,
