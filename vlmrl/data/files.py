@@ -38,6 +38,9 @@ class _RowError(Exception):
     """A problem with one row; the caller adds where it happened and raises or skips."""
 
 
+RowError = _RowError  # what a row transform (vlmrl.data.hub, a benchmark's adapter) raises for one bad row
+
+
 def load_file(
     path: str | Path, on_error: str = "raise", image_root: str | Path | None = None,
     required: tuple[str, ...] = ("problem", "solution"), n: int | None = None, check_images: str = "header",
@@ -115,6 +118,9 @@ def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str,
         shown = "\n  ".join(report.problems[:5])
         raise DataError(f"{path}: all {total} rows are bad, nothing loaded; first problems:\n  {shown}")
     return samples, report
+
+
+collect_rows = _collect  # turning a RowSource into samples, for the other loaders (vlmrl.data.hub, benchmarks)
 
 
 def _row_to_sample(row: Any, where: str, default_id: str, stem: str, base: Path,
@@ -305,12 +311,7 @@ def _parquet_rows(file: Path, path: str) -> RowSource:
 def _dataset_rows(folder: Path, path: str) -> RowSource:
     """Rows of a folder saved by ``datasets`` (``save_to_disk``); numbered from 0 like ``dataset[n]``. Image columns
     are read undecoded (``datasets.Image(decode=False)``: ``{"bytes", "path"}``), so only used images decode."""
-    try:
-        import datasets
-    except ImportError:
-        raise ImportError(
-            f"reading the datasets folder {path} needs the datasets package: pip install 'vlmrl[datasets]'"
-        ) from None
+    datasets = import_datasets(f"reading the datasets folder {path}")
     try:
         dataset = datasets.load_from_disk(str(folder))
     except Exception as error:  # datasets raises FileNotFoundError and others for a folder it did not write
@@ -320,15 +321,64 @@ def _dataset_rows(folder: Path, path: str) -> RowSource:
         ) from None
     if isinstance(dataset, dict):  # a DatasetDict
         splits = list(dataset.keys())
-        raise DataError(f"{path}: holds several splits {splits}; pass one split's folder, e.g. {path}/{splits[0]}")
+        raise DataError(f"{path}: holds several splits {splits}; pass one split's folder, e.g. {path}/{splits[0]}, "
+                        f"or name it as {{hub: {path}, split: {splits[0]}}}")
+    yield from dataset_rows(dataset, path)
+
+
+def import_datasets(what: str) -> Any:
+    """The ``datasets`` package, or ImportError saying how to install it."""
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"{what} needs the datasets package: pip install 'vlmrl[datasets]'") from None
+    return datasets
+
+
+def dataset_rows(dataset: Any, path: str, transform: Callable[[dict], Any] | None = None) -> RowSource:
+    """Rows of a ``datasets.Dataset`` with its image columns read undecoded, numbered from 0 like ``dataset[n]``.
+
+    ``transform`` maps a raw row to the row (or list of rows: one dataset row can make several samples) that
+    ``_row_to_sample`` reads; a ``RowError`` it raises is that row's problem (raised or skipped, with the row's
+    place). Rows are read one at a time, only as many as are used."""
+    import datasets
+
     image_type = getattr(datasets, "Image", None)
     for name, feature in dict(getattr(dataset, "features", None) or {}).items():
         if image_type is not None and isinstance(feature, image_type) and feature.decode:
-            dataset = dataset.cast_column(name, image_type(decode=False))
+            dataset = quietly(dataset.cast_column, name, image_type(decode=False))
         elif image_type is not None and _holds_images(feature, image_type):
-            dataset = dataset.cast_column(name, _undecoded(feature, image_type))
+            dataset = quietly(dataset.cast_column, name, _undecoded(feature, image_type))
     for number, row in enumerate(dataset):
-        yield f"{path} row {number}", f"{path}:{number}", (lambda row=row: row)
+        where, default_id = f"{path} row {number}", f"{path}:{number}"
+        if transform is None:
+            yield where, default_id, (lambda row=row: row)
+            continue
+        try:
+            made = transform(row)
+        except RowError as error:
+            yield where, default_id, _raiser(str(error))
+            continue
+        if isinstance(made, list):
+            for part, one in enumerate(made):
+                yield f"{where} item {part}", f"{default_id}:{part}", (lambda one=one: one)
+        else:
+            yield where, default_id, (lambda made=made: made)
+
+
+def quietly(fn: Callable[..., Any], *args: Any) -> Any:
+    """Call a ``datasets`` method without its progress bar (the CLI owns the console)."""
+    try:
+        from datasets.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
+    except ImportError:  # a stand-in module in tests, or an old datasets
+        return fn(*args)
+    was_disabled = are_progress_bars_disabled()
+    disable_progress_bars()
+    try:
+        return fn(*args)
+    finally:
+        if not was_disabled:
+            enable_progress_bars()
 
 
 def _holds_images(feature: Any, image_type: type) -> bool:

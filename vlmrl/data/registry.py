@@ -4,6 +4,7 @@ A spec is what a YAML recipe holds under a split, for example::
 
     train: {task: shapes_count, n: 300, target: shape}
     test:  {path: data/test.jsonl, on_error: skip, n: 500}    # reads the first 500 good rows only
+    eval:  {hub: AI4Math/MathVista, split: testmini, columns: {image: decoded_image, problem: query, solution: answer}}
     # or a list of such specs, concatenated in order
 
 Adding a task is a generator function ``(n, split, seed, **options) -> list[Sample]`` and one ``Task`` entry below.
@@ -118,9 +119,14 @@ def build_dataset(spec: Any, split: str, seed: int, on_error: str = "raise") -> 
 
 def _build_one(spec: Any, split: str, seed: int, where: str, default_on_error: str = "raise") -> tuple[list[Sample], LoadReport | None]:
     if not isinstance(spec, Mapping):
-        raise DataError(f"{where}: expected a mapping with 'task' or 'path', got {spec!r}")
-    if ("task" in spec) == ("path" in spec):
-        raise DataError(f"{where}: give exactly one of 'task' (built-in: {sorted(TASKS)}) or 'path' (a data file)")
+        raise DataError(f"{where}: expected a mapping with 'task', 'path' or 'hub', got {spec!r}")
+    if sum(key in spec for key in ("task", "path", "hub")) != 1:
+        raise DataError(f"{where}: give exactly one of 'task' (built-in: {sorted(TASKS)}), 'path' (a data file) "
+                        "or 'hub' (a hub dataset or a folder saved by datasets)")
+    if "hub" in spec:
+        from .hub import load_hub
+
+        return load_hub(spec, where, default_on_error)
     if "task" in spec:
         name = spec["task"]
         if name not in TASKS:

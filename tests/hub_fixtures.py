@@ -1,0 +1,210 @@
+"""Small datasets in the published schema of each hub dataset vlmrl's benchmarks and seed recipes read (column names,
+feature types, image encoding, split names), saved with `save_to_disk` by the tests themselves: no hub access.
+
+Each builder returns the folder of a DatasetDict with the dataset's split names; the rows are made up, the schema is
+the published one (the docstring of each builder names the dataset card it copies).
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+from PIL import Image, ImageDraw
+
+
+def png(width: int = 64, height: int = 48, seed: int = 0, box: tuple | None = None) -> bytes:
+    """A small PNG: a coloured background, and a filled rectangle at `box` (x1, y1, x2, y2) if given."""
+    image = Image.new("RGB", (width, height), ((40 * seed) % 256, (90 + 30 * seed) % 256, 160))
+    if box is not None:
+        ImageDraw.Draw(image).rectangle(box, fill=(250, 20, 20))
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
+def _save(folder: Path, splits: dict, features) -> Path:
+    import datasets
+
+    dd = datasets.DatasetDict({name: datasets.Dataset.from_dict(rows, features=features)
+                               for name, rows in splits.items()})
+    dd.save_to_disk(str(folder))
+    return folder
+
+
+def image_struct(data: bytes, name: str) -> dict:
+    return {"bytes": data, "path": name}
+
+
+def mathvista(root: Path) -> Path:
+    """AI4Math/MathVista: splits testmini and test; `decoded_image` an Image, `image` its path, `choices` a list of
+    strings (null for free-form), `precision` a float (null unless a float answer), `metadata` a struct."""
+    import datasets as ds
+
+    meta = ds.Features({"category": ds.Value("string"), "context": ds.Value("string"), "grade": ds.Value("string"),
+                        "img_height": ds.Value("int64"), "img_width": ds.Value("int64"),
+                        "language": ds.Value("string"), "skills": ds.Sequence(ds.Value("string")),
+                        "source": ds.Value("string"), "split": ds.Value("string"), "task": ds.Value("string")})
+    features = ds.Features({"pid": ds.Value("string"), "question": ds.Value("string"), "image": ds.Value("string"),
+                            "decoded_image": ds.Image(), "choices": ds.Sequence(ds.Value("string")),
+                            "unit": ds.Value("string"), "precision": ds.Value("float64"), "answer": ds.Value("string"),
+                            "question_type": ds.Value("string"), "answer_type": ds.Value("string"),
+                            "metadata": meta, "query": ds.Value("string")})
+    rows = [  # (question, choices, unit, precision, answer, qtype, atype, task, skills)
+        ("Which is larger?", ["larger than", "equal to", "smaller than"], None, None, "equal to", "multi_choice",
+         "text", "figure question answering", ["algebraic reasoning"]),
+        ("How many red blocks?", None, None, None, "3", "free_form", "integer", "math word problem",
+         ["arithmetic reasoning"]),
+        ("Find the length.", None, "cm", 1.0, "2.5", "free_form", "float", "geometry problem solving",
+         ["geometry reasoning", "algebraic reasoning"]),
+        ("Pick the angle.", ["30", "45", "60", "90"], None, None, "45", "multi_choice", "text",
+         "geometry problem solving", ["geometry reasoning"]),
+    ]
+    table: dict[str, list] = {k: [] for k in features}
+    for i, (q, choices, unit, precision, answer, qtype, atype, task, skills) in enumerate(rows):
+        hint = ("Hint: Please answer the question and provide the correct option letter, e.g., A, B, C, D, at the "
+                "end." if qtype == "multi_choice" else "Hint: Please answer the question requiring an integer "
+                "answer and provide the final value, e.g., 1, 2, 3, at the end.")
+        choice_text = "\nChoices:\n" + "\n".join(f"({chr(65 + j)}) {c}" for j, c in enumerate(choices)) \
+            if choices else ""
+        table["pid"].append(str(i + 1))
+        table["question"].append(q)
+        table["image"].append(f"images/{i + 1}.jpg")
+        table["decoded_image"].append(image_struct(png(seed=i), f"{i + 1}.png"))
+        table["choices"].append(choices)
+        table["unit"].append(unit)
+        table["precision"].append(precision)
+        table["answer"].append(answer)
+        table["question_type"].append(qtype)
+        table["answer_type"].append(atype)
+        table["metadata"].append({"category": "math-targeted-vqa", "context": "synthetic scene", "grade": "daily life",
+                                  "img_height": 48, "img_width": 64, "language": "english", "skills": skills,
+                                  "source": "fixture", "split": "testmini", "task": task})
+        table["query"].append(f"{hint}\nQuestion: {q}{choice_text}")
+    return _save(root / "mathvista", {"testmini": table, "test": table}, features)
+
+
+def mathverse(root: Path) -> Path:
+    """AI4Math/MathVerse, config testmini: split testmini; `image` an Image; `metadata` {split, source, subject,
+    subfield}; `query_wo`, `query_cot`, `question_for_eval` strings."""
+    import datasets as ds
+
+    features = ds.Features({"sample_index": ds.Value("string"), "problem_index": ds.Value("string"),
+                            "problem_version": ds.Value("string"), "question": ds.Value("string"),
+                            "image": ds.Image(), "answer": ds.Value("string"), "question_type": ds.Value("string"),
+                            "metadata": {"split": ds.Value("string"), "source": ds.Value("string"),
+                                         "subject": ds.Value("string"), "subfield": ds.Value("string")},
+                            "query_wo": ds.Value("string"), "query_cot": ds.Value("string"),
+                            "question_for_eval": ds.Value("string")})
+    rows = [("1", "Text Dominant", "multi-choice", "B", "Plane Geometry"),
+            ("2", "Vision Only", "free-form", "\\frac{1}{2}", "Functions"),
+            ("3", "Text Lite", "free-form", "25", "Plane Geometry")]
+    table: dict[str, list] = {k: [] for k in features}
+    for i, (problem, version, qtype, answer, subject) in enumerate(rows):
+        table["sample_index"].append(str(i + 1))
+        table["problem_index"].append(problem)
+        table["problem_version"].append(version)
+        table["question"].append("As shown in the figure, find x.")
+        table["image"].append(image_struct(png(seed=i + 3), f"{i}.png"))
+        table["answer"].append(answer)
+        table["question_type"].append(qtype)
+        table["metadata"].append({"split": "testmini", "source": "GeoQA", "subject": subject, "subfield": "Length"})
+        table["query_wo"].append("Please directly answer the question. Question: find x.")
+        table["query_cot"].append("Please first conduct reasoning, and then answer the question. Question: find x.")
+        table["question_for_eval"].append("find x.")
+    return _save(root / "mathverse", {"testmini": table}, features)
+
+
+def geometry3k(root: Path) -> Path:
+    """hiyouga/geometry3k: splits train, validation, test; `images` a list of Images, `problem` with `<image>`."""
+    import datasets as ds
+
+    features = ds.Features({"images": ds.Sequence(ds.Image()), "problem": ds.Value("string"),
+                            "answer": ds.Value("string")})
+    table = {"images": [[image_struct(png(seed=i + 5), f"g{i}.png")] for i in range(3)],
+             "problem": ["<image>Find x.", "<image>Find the area of the triangle.", "<image>Find y."],
+             "answer": ["3\\sqrt{2}", "24", "\\frac{7}{2}"]}
+    return _save(root / "geometry3k", {"train": table, "validation": table, "test": table}, features)
+
+
+def superclevr(root: Path) -> Path:
+    """R1-V's superclevr_test200_counting_problems.jsonl with images embedded: split test; `image` an Image,
+    `question` a string, `ground_truth` an int64."""
+    import datasets as ds
+
+    features = ds.Features({"image": ds.Image(), "question": ds.Value("string"), "ground_truth": ds.Value("int64")})
+    table = {"image": [image_struct(png(seed=i + 7), f"s{i}.png") for i in range(3)],
+             "question": ["How many items are there in the image?", "How many cars are there?",
+                          "How many bicycles are there?"],
+             "ground_truth": [5, 2, 0]}
+    return _save(root / "superclevr", {"test": table}, features)
+
+
+def refcoco(root: Path, name: str = "refcoco", splits: tuple = ("val", "test", "testA", "testB")) -> Path:
+    """lmms-lab/RefCOCO (also RefCOCOplus, RefCOCOg): splits val, test, testA, testB; `image` an Image, `answer` the
+    referring expressions (a list of strings), `bbox` [x, y, w, h] floats, `segmentation`, `iscrowd`, `file_name`."""
+    import datasets as ds
+
+    features = ds.Features({"question_id": ds.Value("string"), "image": ds.Image(), "question": ds.Value("string"),
+                            "answer": ds.Sequence(ds.Value("string")), "segmentation": ds.Sequence(ds.Value("float32")),
+                            "bbox": ds.Sequence(ds.Value("float32")), "iscrowd": ds.Value("int64"),
+                            "file_name": ds.Value("string")})
+    boxes = [(10.0, 8.0, 30.0, 20.0), (2.0, 2.0, 20.0, 40.0)]
+    table = {"question_id": ["100", "101"],
+             "image": [image_struct(png(box=(x, y, x + w, y + h), seed=9), f"r{i}.png")
+                       for i, (x, y, w, h) in enumerate(boxes)],
+             "question": ["Please carefully observe the area circled in the image and come up with a caption for the "
+                          "area."] * 2,
+             "answer": [["red block", "the block on the right"], ["left red bar"]],
+             "segmentation": [[10.0, 8.0, 40.0, 8.0, 40.0, 28.0], [2.0, 2.0, 22.0, 42.0]],
+             "bbox": [list(b) for b in boxes], "iscrowd": [0, 0],
+             "file_name": ["COCO_train2014_000000000001.jpg", "COCO_train2014_000000000002.jpg"]}
+    return _save(root / name, {split: table for split in splits}, features)
+
+
+def vstar(root: Path) -> Path:
+    """craigwu/vstar_bench's test_questions.jsonl with images embedded: split test; `image` an Image, `text` the
+    question with options, `category`, `question_id` int64, `label` the right letter."""
+    import datasets as ds
+
+    features = ds.Features({"image": ds.Image(), "text": ds.Value("string"), "category": ds.Value("string"),
+                            "question_id": ds.Value("int64"), "label": ds.Value("string")})
+    suffix = "\nAnswer with the option's letter from the given choices directly."
+    table = {"image": [image_struct(png(96, 96, seed=i), f"v{i}.png") for i in range(3)],
+             "text": ["What is the color of the cup?\n(A) red\n(B) blue\n(C) green\n(D) white" + suffix,
+                      "Is the dog on the left or right of the cat?\n(A) left\n(B) right" + suffix,
+                      "What is the material of the glove?\n(A) rubber\n(B) cotton\n(C) leather\n(D) wool" + suffix],
+             "category": ["direct_attributes", "relative_position", "direct_attributes"],
+             "question_id": [0, 1, 2], "label": ["A", "B", "C"]}
+    return _save(root / "vstar", {"test": table}, features)
+
+
+def virft_classification(root: Path) -> Path:
+    """laolao77/ViRFT_CLS_flower_4_shot (Visual-RFT's few-shot classification): split train; `image` an Image,
+    `problem` the question listing the classes, `solution` "<answer>label</answer>"."""
+    import datasets as ds
+
+    features = ds.Features({"image": ds.Image(), "problem": ds.Value("string"), "solution": ds.Value("string")})
+    labels = ["daisy", "rose", "sunflower", "tulip"]
+    table = {"image": [image_struct(png(seed=i), f"f{i}.png") for i in range(4)],
+             "problem": ["This is an image containing a flower. Please identify the species of the flower based on the "
+                         "image."] * 4,
+             "solution": [f"<answer>{label}</answer>" for label in labels]}
+    return _save(root / "virft_cls", {"train": table}, features)
+
+
+def clevr_counting(root: Path) -> Path:
+    """leonardPKU/clevr_cogen_a_train (R1-V's CLEVR-70k counting): split train; `image` an Image, `problem`,
+    `solution` "<answer> N </answer>"."""
+    import datasets as ds
+
+    features = ds.Features({"image": ds.Image(), "problem": ds.Value("string"), "solution": ds.Value("string")})
+    table = {"image": [image_struct(png(seed=i + 2), f"c{i}.png") for i in range(4)],
+             "problem": ["How many items are there in the image?"] * 4,
+             "solution": [f"<answer> {n} </answer>" for n in (3, 5, 2, 7)]}
+    return _save(root / "clevr", {"train": table}, features)
+
+
+BUILDERS = {"mathvista": mathvista, "mathverse": mathverse, "geometry3k": geometry3k, "superclevr": superclevr,
+            "refcoco": refcoco, "refcoco+": lambda root: refcoco(root, "refcocoplus", ("val", "testA", "testB")),
+            "refcocog": lambda root: refcoco(root, "refcocog", ("val", "test")), "vstar": vstar}

@@ -1,0 +1,44 @@
+"""Geometry3K (test, 601 problems) in the EasyR1 setting.
+
+Source: Lu et al., "Inter-GPS", ACL 2021 (arXiv:2105.04165), as hiyouga/geometry3k packages it (columns `images`,
+`problem`, `answer`; splits train/validation/test); protocol: EasyR1 (github.com/hiyouga/EasyR1),
+examples/format_prompt/math.jinja (the prompt suffix below) and examples/reward_function/math.py (the answer is the
+last `\\boxed{}`, graded by mathruler's `grade_answer`). vlmrl grades the boxed answer with the `accuracy` reward's
+math check (normalised text, numbers, then math-verify), not mathruler; the `<image>` marker in `problem` is
+removed (vlmrl's processor places the image before the text, as EasyR1's chat template does for one image).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from vlmrl.data.files import RowError
+from vlmrl.eval.benchmarks.registry import Benchmark, register_benchmark
+from vlmrl.rewards.parsing import completion_text
+from vlmrl.rewards.verifiable import accuracy_reward
+
+EASYR1_MATH_SUFFIX = (" You FIRST think about the reasoning process as an internal monologue and then provide the final "
+                      "answer. The reasoning process MUST BE enclosed within <think> </think> tags. The final answer "
+                      "MUST BE put in \\boxed{}.")
+def geometry3k_row(row: dict) -> dict:
+    images = row["images"]
+    if not isinstance(images, list) or not images:
+        raise RowError(f"'images' must be a list of at least one image, got {type(images).__name__}")
+    problem = str(row["problem"]).replace("<image>", "").strip()
+    return {"images": images, "problem": problem + EASYR1_MATH_SUFFIX, "solution": str(row["answer"]),
+            "answer_type": "math"}
+
+
+def geometry3k_score(completions: list, solution: list, **_: Any) -> list[float | None]:
+    """EasyR1's accuracy: the last `\\boxed{}` graded against the answer (math-verify in place of mathruler)."""
+    texts = [re.sub(r"\s*(<|>|/)\s*", r"\1", completion_text(c)) for c in completions]  # as EasyR1's compute_score
+    return accuracy_reward(texts, list(solution), answer_type=["math"] * len(texts), extract="boxed", strict=False)
+
+
+GEOMETRY3K = register_benchmark(Benchmark(
+    name="geometry3k", hub="hiyouga/geometry3k", split="test", adapt=geometry3k_row, score=geometry3k_score,
+    columns=("images", "problem", "answer"), answer_type="math", max_new_tokens=2048,
+    source="Lu et al., ACL 2021 (Inter-GPS); EasyR1 examples/format_prompt/math.jinja, examples/reward_function/math.py",
+    notes="math-verify grades the boxed answer in place of mathruler's grade_answer",
+))
