@@ -78,6 +78,10 @@ def cmd_eval(args) -> int:
     recipe = ckpt / "config.yaml" if isinstance(ckpt, Path) and (ckpt / "config.yaml").exists() else None
     cfg = load_config(recipe, args.overrides)
     check_device(cfg.model.device)
+    if args.benchmark:  # the benchmark's own data, prompt and scorer (vlmrl/eval/benchmarks, docs/benchmarks.md)
+        from vlmrl.eval.benchmarks.cli import eval_benchmark
+
+        return eval_benchmark(args, cfg, ckpt)
     spec = cfg.data.eval
     if args.data:
         spec = {"path": args.data, "on_error": cfg.data.on_error} if Path(args.data).exists() or "." in args.data \
@@ -164,6 +168,13 @@ def cmd_data(args) -> int:
         for name in TASKS:
             print(name)
         return 0
+    if args.data_cmd == "fetch":
+        from vlmrl.data.hub import save_split
+
+        folder, rows = save_split(args.name, args.out, args.split, args.config)
+        print(f"saved {rows} rows of {args.name}{f'[{args.split}]' if args.split else ''} to {folder}; use it as "
+              f"{{hub: {folder}}} in a recipe or --data {folder} with --benchmark")
+        return 0
     if args.data_cmd == "check":
         rows, report = load_file(args.path, on_error="skip")
         print(f"{report.path}: {report.loaded} rows loaded, {report.skipped} skipped")
@@ -216,7 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("checkpoint", help="a run directory (its latest complete checkpoint), RUN_DIR/checkpoint-N, a "
                                       "model folder or a hub name")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides")
-    e.add_argument("--data", help="a built-in task name or a data file (default: the recipe's data.eval)")
+    e.add_argument("--data", help="a built-in task name or a data file (default: the recipe's data.eval); with "
+                                  "--benchmark, a folder holding the benchmark's dataset (saved by vlmrl data fetch)")
+    e.add_argument("--benchmark", metavar="NAME", help="a standard benchmark with its published prompt and scoring: "
+                   "mathvista, mathverse, geometry3k, superclevr, refcoco, refcoco+, refcocog, vstar (NAME@SPLIT for "
+                   "another split, e.g. refcoco@testA), or my_bench.py:NAME; greedy unless --temperatures "
+                   "(docs/benchmarks.md)")
+    e.add_argument("--max-new-tokens", type=int, default=0,
+                   help="with --benchmark: the generation budget (default: the benchmark's protocol)")
     e.add_argument("--split", default="test", choices=["train", "test", "ood"], help="split of a built-in task")
     e.add_argument("--n", type=int, default=0, help="number of samples of a built-in task")
     e.add_argument("--temperatures", type=float, nargs="+",
@@ -250,6 +268,11 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--out", default="data")
     c = dsub.add_parser("check", help="load a JSONL/parquet file and report every bad row (file, line, problem)")
     c.add_argument("path")
+    f = dsub.add_parser("fetch", help="save a hub dataset's split as a folder, for a machine without internet")
+    f.add_argument("name", help="the dataset on the Hugging Face hub (owner/name)")
+    f.add_argument("--split", help="the split to save (default: every split)")
+    f.add_argument("--config", help="the dataset's configuration, if it has several")
+    f.add_argument("--out", required=True, help="the folder to write (point a spec's 'hub:' or --data at it)")
     d.set_defaults(func=cmd_data)
     from vlmrl.rewards.cli import add_parser as add_inspect_reward
     add_inspect_reward(sub)
