@@ -39,16 +39,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(model_dir: str, max_batch: int, wait_ms: float, threads: int) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: str, max_batch: int, wait_ms: float, threads: int, extra: tuple[str, ...] = (),
+                 log: Path | None = None) -> tuple[subprocess.Popen, str]:
+    """`vlmrl serve` on 127.0.0.1 and a free port, once /healthz answers; its stderr goes to `log` when given (a
+    long run's log must not fill an unread pipe), else to a pipe read when it fails to start."""
     port = free_port()
+    stderr = log.open("w") if log is not None else subprocess.PIPE
     proc = subprocess.Popen([sys.executable, "-m", "vlmrl", "serve", model_dir, "--port", str(port),
                              "--model-name", "tiny", "--max-batch", str(max_batch), "--batch-wait-ms", str(wait_ms),
-                             "--threads", str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--threads", str(threads), *extra], stdout=subprocess.DEVNULL, stderr=stderr, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"vlmrl serve exited with {proc.returncode}:\n{proc.stderr.read()}")
+            output = log.read_text() if log is not None else proc.stderr.read()
+            raise SystemExit(f"vlmrl serve exited with {proc.returncode}:\n{output}")
         try:
             if httpx.get(f"{url}/healthz", trust_env=False, timeout=2).status_code == 200:
                 return proc, url
