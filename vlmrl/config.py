@@ -116,6 +116,12 @@ class RolloutConfig:
     # 'vlmrl[vllm]'), weights pushed after every update; see vlmrl/rollout/vllm_engine.py
     engine: Literal["hf", "vllm"] = "hf"
     vllm: dict = field(default_factory=dict)  # engine=vllm: gpu_memory_utilization, max_model_len, enforce_eager, sleep
+    # asynchronous rollouts (docs/scaling.md): a producer samples the next steps' answers while this step trains,
+    # from a policy at most `max_staleness` versions (optimizer updates) behind the trainer; staleness 0 is exactly
+    # synchronous training
+    asynchronous: bool = False
+    max_staleness: Count = 1
+    producer_timeout: Positive = 600.0  # seconds the trainer waits for a step's rollouts before stopping the run
 
 
 @section
@@ -133,6 +139,17 @@ class AlgorithmConfig:
     dual_clip: Annotated[float, Gt(1)] | None = None  # dual-clip PPO's c (e.g. 3.0) bounds negative-advantage losses
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coef: NonNegative = 0.0  # entropy bonus: loss -= entropy_coef * entropy
+    # -- off-policy correction (docs/algorithms.md, "Off-policy correction"; vlmrl/algorithms/correction.py)
+    # the PPO ratio's denominator: "proximal" = the trainer's weights before the update, scored by the training
+    # forward; "behaviour" = the sampler's own log-probs (verl's bypass: no recomputation, the clip bounds it all)
+    ratio_denominator: Literal["proximal", "behaviour"] = "proximal"
+    # weights on the policy-gradient loss for the sampler–trainer gap (proximal denominator): "auto" = mis where the
+    # sampler is not the trainer (rollout.engine=vllm, or rollout.asynchronous with max_staleness > 0), else none
+    rollout_correction: Literal["auto", "none", "token_tis", "sequence_tis", "mis", "icepop", "geometric"] = "auto"
+    correction_low: Positive | None = None  # the lower bound (icepop 0.5, geometric 0.999); null = the method's
+    correction_high: Positive | None = None  # the cap or upper bound (tis 2, mis 3, icepop 5, geometric 1.001)
+    # warn when the sampler–trainer k3 KL of a step (mismatch/k3) passes this; null = never
+    mismatch_warn_kl: Positive | None = 0.01
     # -- KL to a frozen reference (loaded only when beta > 0, or for DPO)
     beta: NonNegative = 0.0  # KL coefficient (the start value when kl_target is set); 0 loads no reference model
     # adaptive KL (PPO's controller, Ziegler et al. 2019): after each step beta *= 1 + kl_rate * e, with
@@ -389,6 +406,44 @@ def _context(c: Config) -> str | None:
     return None
 
 
+def _correction(algorithm, rollout) -> str | None:
+    """What is wrong with the recipe's off-policy settings (a config rule), or None."""
+    method, denominator = algorithm.rollout_correction, algorithm.ratio_denominator
+    explicit = method not in ("auto", "none")
+    if explicit and denominator == "behaviour":
+        return (f"algorithm.rollout_correction={method} with ratio_denominator=behaviour: the PPO ratio is already "
+                f"taken against the sampler's log-probs (its clip bounds the whole off-policy ratio); set "
+                f"rollout_correction=none, or ratio_denominator=proximal to correct the sampler–trainer gap")
+    if (explicit or denominator == "behaviour") and (rollout.top_k > 0 or rollout.top_p < 1.0):
+        what = f"rollout_correction={method}" if explicit else "ratio_denominator=behaviour"
+        return (f"algorithm.{what} with rollout.top_k={rollout.top_k}, top_p={rollout.top_p}: the sampler draws "
+                f"from the filtered distribution but the trainer scores the unfiltered one, so their log-probs are "
+                f"not of the same distribution; set rollout.top_k=0 and rollout.top_p=1, or turn the correction off")
+    low, high = algorithm.correction_low, algorithm.correction_high
+    if explicit and low is not None and high is not None and low > high:
+        return f"algorithm.correction_low={low} > correction_high={high}"
+    if method in ("token_tis", "sequence_tis", "mis") and low is not None:
+        return (f"algorithm.correction_low={low} with rollout_correction={method}: it bounds ratios from above only "
+                f"(correction_high); use icepop or geometric for a two-sided bound")
+    return None
+
+
+def _off_policy(c: Config) -> str | None:
+    problem = _correction(c.algorithm, c.rollout)
+    if problem is None and c.rollout.asynchronous:
+        if c.algorithm.dynamic_sampling or c.curriculum.active or c.data.preferences is not None:
+            what = ("algorithm.dynamic_sampling" if c.algorithm.dynamic_sampling else
+                    "a curriculum" if c.curriculum.active else "data.preferences (offline DPO)")
+            problem = (f"rollout.asynchronous with {what}: asynchronous rollouts draw a step's prompts before the "
+                       f"steps in between have trained, and this needs each step's results to choose the next "
+                       f"prompts; set rollout.asynchronous=false, or turn it off")
+        elif c.algorithm.advantage == "remax" or c.algorithm.policy_loss == "dpo":
+            problem = (f"rollout.asynchronous with "
+                       f"{'advantage=remax' if c.algorithm.advantage == 'remax' else 'policy_loss=dpo'}: only the "
+                       f"policy-gradient losses take a correction for stale answers; set rollout.asynchronous=false")
+    return problem
+
+
 def _minibatches(c: Config) -> str | None:
     n = c.rollout.prompts_per_step * c.rollout.group_size
     if c.trainer.minibatches > n:
@@ -449,6 +504,9 @@ RULES: tuple[Rule, ...] = (
          "curriculum and replay", _offline_dpo),
     Rule(("rollout.vllm.max_model_len",), "`rollout.vllm.max_model_len` >= `data.max_prompt_length + "
          "rollout.max_new_tokens` (with an agent: `+ agent.max_total_tokens`)", _context),
+    Rule(("algorithm.rollout_correction", "algorithm.ratio_denominator", "rollout.asynchronous"), "off-policy "
+         "corrections need the proximal denominator and no top-k/top-p; asynchronous rollouts run without dynamic "
+         "sampling, a curriculum, ReMax or DPO", _off_policy),
 )
 
 

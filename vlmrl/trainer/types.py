@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from vlmrl.algorithms.correction import Correction, resolve_correction
 from vlmrl.algorithms.kl import KLController
 from vlmrl.config import AlgorithmConfig, RolloutConfig, TrainerConfig
 from vlmrl.models.policy import Policy
@@ -47,12 +48,15 @@ class StepContext:
     guard: NonfiniteGuard = field(default_factory=NonfiniteGuard)  # optimizer steps skipped for a NaN/inf, run-long
     signal_share: float | None = None  # dynamic sampling: the last step's share of generated groups with a signal
     solved: object | None = None  # vlmrl.eval.generative.Solved: what counts as right (None: accuracy, IoU >= 0.5)
+    correction: Correction | None = None  # the off-policy correction (algorithm.rollout_correction, auto resolved)
 
     def __post_init__(self):
         if self.forward is None:
             self.forward = TrainingForward(self.policy)
         if self.kl is None:
             self.kl = KLController(self.algorithm.beta, self.algorithm.kl_target, self.algorithm.kl_rate)
+        if self.correction is None:
+            self.correction = resolve_correction(self.algorithm, self.rollout)
 
     @property
     def batch_used_once(self) -> bool:
@@ -72,18 +76,22 @@ class Trajectories(NamedTuple):
     prompt_index: Tensor  # [N]
     completion_ids: Tensor  # [N, T]
     loss_mask: Tensor  # [N, T] tokens that receive gradient (overlong filtering may drop truncated answers)
-    # [N, T] behaviour-policy log-probs; None when the batch is used once: the update's own forward then gives them
-    # (detached), so the first ratio is exactly 1 whatever the sampler's kernels or precision
+    # [N, T] the PPO ratio's denominator: the proximal policy's log-probs (the weights before the update, recomputed
+    # when the batch is reused; None when it is used once: the update's own forward then gives them, detached), or
+    # under algorithm.ratio_denominator=behaviour the sampler's own (`sample_logprobs`)
     old_logprobs: Tensor | None
     ref_logprobs: Tensor | None  # [N, T] frozen reference
     advantages: Tensor  # [N] or [N, T]
     rewards: Tensor  # [N] the sequence rewards the advantages came from
     old_values: Tensor | None = None  # [N, T] critic values at rollout time (gae)
     returns: Tensor | None = None  # [N, T] value targets (gae)
-    sample_logprobs: Tensor | None = None  # [N, T] the sampler's log-probs: a diagnostic (rollout/logprob_gap_*)
+    # [N, T] the behaviour policy's log-probs, kept with the rollout (the built-in sampler's or vLLM's): the
+    # off-policy correction's and the mismatch metrics' mu (vlmrl.algorithms.correction)
+    sample_logprobs: Tensor | None = None
     # [N] bool: rows whose reward was computed (a failed reward, e.g. a judge timeout, is False: advantage 0, no loss,
     # no DPO pair); None: every row
     scored: Tensor | None = None
     # torchrun + dynamic sampling: the rows are one group held only so that this rank runs the update's collectives
     # (its forwards train nothing and count in no normalisation)
     padding: bool = False
+    prompt_images: Tensor | None = None  # [N] images in each row's prompt (the mismatch metrics' split)

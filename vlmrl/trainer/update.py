@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from vlmrl.algorithms.advantages import nonzero_variance_groups
+from vlmrl.algorithms.correction import correction_weights, mismatch_metrics
 from vlmrl.algorithms.kl import kl_estimate
 from vlmrl.algorithms.losses import aggregate, dpo_loss, masked_mean, resolve_policy_loss, value_loss
 from vlmrl.models.batch import PromptBatch
@@ -48,6 +49,13 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
     policy_params = [p for p in ctx.policy.model.parameters() if p.requires_grad]
     sums: dict[str, float] = {"loss": 0.0}  # (a rank holding only padding: its share of the loss is 0)
     updates, policy_steps, finite_norms, gap_sum, gap_max, gap_count = 0, 0, 0, 0.0, 0.0, 0
+    # the proximal policy's log-probs for the mismatch metrics: recomputed before the update, or (batch used once, or
+    # the behaviour denominator) this update's forward before its first optimizer step, on the rows it scored then
+    proximal = traj.old_logprobs if algo.ratio_denominator == "proximal" else None
+    scored_before = None
+    if proximal is None and traj.sample_logprobs is not None and n:
+        proximal = torch.zeros_like(traj.sample_logprobs)
+        scored_before = torch.zeros(n, dtype=torch.bool)
     for epoch in range(cfg.ppo_epochs):
         for minibatch in minibatch_rows(n, ctx):
             # normalise by the whole minibatch across ranks; DDP/FSDP2 average gradients over ranks, hence / world
@@ -70,6 +78,9 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
                     loss.backward()
                 mb_loss += parts["loss"]
                 gap = parts.pop("_gap", None)
+                logp = parts.pop("_logp")
+                if scored_before is not None and epoch == 0 and updates == 0:
+                    proximal[rows], scored_before[rows] = logp, True
                 if gap is not None and epoch == 0 and updates == 0:  # same weights as the sampler's
                     gap_sum, gap_max, gap_count = gap_sum + gap[0], max(gap_max, gap[1]), gap_count + gap[2]
                 for key, value in parts.items():  # losses already carry their share; means are weighted here
@@ -98,6 +109,11 @@ def update(ctx: StepContext, prompts: PromptBatch, traj: Trajectories) -> dict[s
     if traj.old_logprobs is None and traj.sample_logprobs is not None and gap_count:  # sampler vs the update's forward
         metrics["rollout/logprob_gap_mean"] = gap_sum / max(gap_count, 1)
         metrics["rollout/logprob_gap_max"] = gap_max
+    if proximal is not None and traj.sample_logprobs is not None:  # the sampler–trainer mismatch (correction.py)
+        seen = slice(None) if scored_before is None else scored_before
+        images = None if traj.prompt_images is None else traj.prompt_images[seen]
+        metrics.update(mismatch_metrics(proximal[seen], traj.sample_logprobs[seen], traj.loss_mask[seen],
+                                        ctx.correction, images))
     return _finish(ctx, metrics, policy_steps)
 
 
@@ -156,7 +172,10 @@ def micro_batch_loss(ctx: StepContext, prompts: PromptBatch, traj: Trajectories,
                                                mask=mask, epsilon_low=algo.epsilon_low,
                                                epsilon_high=algo.epsilon_high, dual_clip=algo.dual_clip)
     per_token = pl.per_token_loss
-    parts = {"clip_fraction": pl.clip_fraction.item(), "entropy": masked_mean(out.entropy.detach(), mask).item()}
+    if ctx.correction.method != "none" and traj.sample_logprobs is not None:  # the sampler–trainer gap, corrected
+        per_token = per_token * correction_weights(old, traj.sample_logprobs[rows], mask, ctx.correction)
+    parts = {"_logp": out.logprobs.detach(), "clip_fraction": pl.clip_fraction.item(),
+             "entropy": masked_mean(out.entropy.detach(), mask).item()}
     if traj.ref_logprobs is not None:
         kl = kl_estimate(out.logprobs, traj.ref_logprobs[rows], algo.kl_estimator)
         if algo.kl_in == "loss" and ctx.kl.beta:

@@ -189,3 +189,34 @@ class UngradedWatch:
                             f"\"Every sample has a reward that applies\"), or check its solutions (a reward gives "
                             f"None for a solution it cannot parse). Counted in task/{task}/ungraded_answers")
         return "; ".join(warnings) or None
+
+
+class MismatchWatch:
+    """Feed it each RL step's metrics; `update` warns once per stretch of steps whose sampler–trainer KL
+    (`mismatch/k3`, vlmrl.algorithms.correction) passes `algorithm.mismatch_warn_kl`: answers sampled by a policy the
+    trainer no longer is (stale rollouts, another engine's kernels or precision, weights that did not arrive), which
+    trains with a bias unless a correction is on, and then with fewer effective answers."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.limit, self.warned = cfg, cfg.algorithm.mismatch_warn_kl, False
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        kl = metrics.get("mismatch/k3")
+        if self.limit is None or kl is None:
+            return None
+        if kl <= self.limit:
+            self.warned = False
+            return None
+        if self.warned:
+            return None
+        self.warned = True
+        a, r = self.cfg.algorithm, self.cfg.rollout
+        stale = r.asynchronous and r.max_staleness
+        source = (f"rollout.max_staleness={r.max_staleness}" if stale else
+                  "rollout.engine=vllm" if r.engine == "vllm" else "the built-in sampler")
+        fix = ("lower rollout.max_staleness" if stale else
+               "check that weights reach the engine (rollout/logprob_gap_*) and its dtype")
+        return (f"step {step}: the sampler's and the trainer's log-probs differ by a KL of {kl:.3g} (mismatch/k3, "
+                f"above algorithm.mismatch_warn_kl={self.limit:g}; answers from {source}; correction: "
+                f"{a.rollout_correction}, effective sample share mismatch/ess={metrics.get('mismatch/ess', 1.0):.2f}); "
+                f"{fix}, or set algorithm.rollout_correction (docs/algorithms.md, \"Off-policy correction\")")
