@@ -47,7 +47,7 @@ from vlmrl.trainer.distributed import (
 from vlmrl.trainer.dpo import OfflineDPO, synthetic_preferences
 from vlmrl.trainer.inputs import Datasets, PromptStream
 from vlmrl.trainer.replay import Replay
-from vlmrl.trainer.rl import StepContext, first_round_size, rl_step
+from vlmrl.trainer.rl import StepContext, first_round_size, learn, rl_step
 
 
 def lr_lambda(schedule: str, warmup: int, total: int):
@@ -78,6 +78,8 @@ class RLJob:
     wall_before: float = 0.0  # seconds of this run spent in earlier processes (up to the resumed checkpoint)
     notes: list[str] = field(default_factory=list)  # warnings the RL loop gave (repeated in the summary)
     t_start: float = 0.0  # time.perf_counter() when this process started
+    rollouts: object | None = None  # vlmrl.trainer.asynchronous.AsyncRollouts (rollout.asynchronous)
+    rollout_policy: Policy | None = None  # the copy asynchronous rollouts sample with (max_staleness > 0)
 
     def checkpoint(self, step: int, eval_pending: bool = False) -> Path:
         """RUN_DIR/checkpoint-STEP, written atomically (vlmrl.trainer.checkpoint): the weights (loadable with
@@ -96,6 +98,8 @@ class RLJob:
             save_sharded_optimizer(ctx.forward, ctx.optimizer, staging / "sharded")
         if not dist_info.is_main:
             save_rank_rng(staging, dist_info.rank, ctx.generator)
+        if self.rollouts is not None:  # the steps produced but not yet trained (each rank its shard)
+            self.rollouts.save(staging, dist_info.rank)
         barrier(dist_info)
         if dist_info.is_main:
             guard = getattr(ctx, "guard", None)
@@ -126,12 +130,16 @@ class RLJob:
         curriculum = self.stream if isinstance(self.stream, Curriculum) else None
         if curriculum is not None:
             curriculum.set_step(step)
-        # every rank draws the same prompts (one stream, one generator); each generates for its shard of every round
-        samples = [self.train_set[i] for i in self.stream.next(first_round_size(ctx))]
         markers = marker_sets(self.cfg.eval.reflection_words, self.cfg.eval.backtracking_words)
         beta = ctx.kl.beta
-        metrics, gallery = rl_step(ctx, samples, draw=lambda k: [self.train_set[i] for i in self.stream.next(k)],
-                                   markers=markers)
+        if self.rollouts is not None:  # answers a producer sampled while earlier steps trained
+            produced = self.rollouts.batch_for(step)
+            metrics, gallery = learn(ctx, produced, markers, push_weights=False)
+            metrics.update(self.rollouts.metrics(step, produced))
+        else:
+            # every rank draws the same prompts (one stream, one generator); each generates its shard of every round
+            metrics, gallery = rl_step(ctx, self.draw(), markers=markers,
+                                       draw=lambda k: [self.train_set[i] for i in self.stream.next(k)])
         metrics = reduce_metrics(metrics, ctx.dist)
         if ctx.kl.adaptive:  # the next step's beta, from this step's KL (the same on every rank: reduced first)
             metrics["kl_beta"] = beta
@@ -139,6 +147,25 @@ class RLJob:
         if curriculum is not None:
             metrics.update(curriculum.metrics())
         return metrics, gallery
+
+
+    def draw(self, step: int | None = None) -> list[dict]:
+        """The prompts of the next step to generate (`step`: which one, under asynchronous rollouts; unused: the
+        stream gives them in step order)."""
+        return [self.train_set[i] for i in self.stream.next(first_round_size(self.ctx))]
+
+    def start_rollouts(self, resume: Path | None) -> None:
+        """Asynchronous rollouts (rollout.asynchronous): the producer, with the steps a checkpoint saved as produced."""
+        from vlmrl.trainer.asynchronous import AsyncRollouts
+
+        r = self.cfg.rollout
+        self.rollouts = AsyncRollouts(self.ctx, self.draw, r.max_staleness, r.producer_timeout, self.rollout_policy)
+        if resume is not None:
+            self.rollouts.load(resume, self.ctx.dist.rank)
+
+    def close(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.close()
 
 
 def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
@@ -177,6 +204,10 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
         train_set = pairs
     # a separate critic copies the policy's whole weights, before FSDP2 shards them (vlmrl.trainer.critic)
     critic = Critic(policy, algo.critic, algo.critic_lr) if algo.advantage == "gae" else None
+    # asynchronous rollouts sample with a copy of the weights (none at staleness 0, none for a vLLM engine), also made
+    # before FSDP2 shards them
+    r = cfg.rollout
+    rollout_policy = policy.clone() if r.asynchronous and r.max_staleness > 0 and r.engine != "vllm" else None
     forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = adamw(params, t.lr, t.weight_decay)
@@ -217,7 +248,7 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     guard = getattr(ctx, "guard", None)
     if resume_state is not None and guard is not None and resume_state.get("guard"):
         vars(guard).update(resume_state["guard"])
-    return RLJob(cfg, ctx, stream, train_set, run_dir, start_eval, dpo)
+    return RLJob(cfg, ctx, stream, train_set, run_dir, start_eval, dpo, rollout_policy=rollout_policy)
 
 
 def start_vllm(cfg: Config, ctx: StepContext, run_dir: Path, dist_info):

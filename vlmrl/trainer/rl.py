@@ -242,10 +242,13 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     old = ref = values = policy_logprobs = greedy_kl = None
     # no gradient: a critic's values would otherwise carry its graph into the advantages and value targets
     with torch.no_grad(), ctx.policy.sampling(), gathered(ctx.forward):
-        if not ctx.batch_used_once or reward_kl:  # the policy's log-probs before the update
+        recompute = not ctx.batch_used_once and algo.ratio_denominator == "proximal"
+        if recompute or reward_kl:  # the policy's log-probs before the update
             policy_logprobs = score_batch(ctx.policy, *args, **chunks).logprobs
-        if not ctx.batch_used_once:
+        if recompute:
             old = policy_logprobs
+        if algo.ratio_denominator == "behaviour":  # bypass: the ratio is taken against the sampler itself
+            old = rollout.logprobs.to(mask.device)
         if ctx.reference is not None:
             ref = ctx.reference.logprobs(*args, **chunks)
         if ctx.critic is not None:
@@ -271,8 +274,9 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
         baseline_rewards=baseline, scored=scored, reduce=rank_sum(ctx))
     loss_mask = mask * (~rollout.truncated).to(mask.device).long()[:, None] if algo.overlong_filter else mask
     loss_mask = loss_mask * scored.long()[:, None]  # a failed reward: no loss (its advantage is 0 too)
+    images = torch.tensor([len(batch.samples[i].get("images") or []) for i in rollout.prompt_index.tolist()])
     return Trajectories(args[1], rollout.completion_ids, loss_mask, old, ref, adv.advantages, rewards,
-                        values, adv.returns, rollout.logprobs, scored, batch.padding)
+                        values, adv.returns, rollout.logprobs, scored, batch.padding, images)
 
 
 def rank_sum(ctx: StepContext) -> Callable[[Tensor], Tensor] | None:
@@ -309,28 +313,55 @@ def task_reward_counts(batch: Batch) -> dict[str, float]:
 
 
 # -- Stage IV: update -> vlmrl/trainer/update.py ---------------------------------------------------------------------
-def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None,
-            markers: dict[str, tuple[str, ...]] | None = None) -> tuple[dict[str, float], dict]:
-    """One generation step: returns its metrics and a rollout-gallery entry for the first prompt. `markers`: the
-    word lists whose answer shares are logged (default `marker_sets()`: reflection, backtracking)."""
+@dataclass
+class Produced:
+    """Stages I + II of one step, ready for III + IV: the batch to train, the step's first (i.i.d.) round that
+    accuracy and lengths describe, the vision-tower calls and seconds they took, and under asynchronous rollouts the
+    policy version (optimizer updates so far) that sampled it (vlmrl.trainer.asynchronous)."""
+
+    batch: Batch
+    first: Batch
+    vision_calls: int
+    seconds: float
+    version: int | None = None
+
+
+def produce(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None) -> Produced:
+    """Stages I + II of a step: every generation call of it, dynamic sampling's resampling rounds included."""
     t0 = time.perf_counter()
     vision_before = ctx.policy.family.vision_calls
-    with ctx.policy.sampling():  # stages I + II: every generation call of the step, resampling rounds included
+    with ctx.policy.sampling():
         batch = collect_and_score(ctx, samples)
         vision_calls = ctx.policy.family.vision_calls - vision_before
         first = batch
         if ctx.algorithm.dynamic_sampling and draw is not None:
             batch = dynamic_sampling(ctx, batch, draw, len(samples))
+    return Produced(batch, first, vision_calls, time.perf_counter() - t0)
+
+
+def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None,
+            markers: dict[str, tuple[str, ...]] | None = None) -> tuple[dict[str, float], dict]:
+    """One generation step: returns its metrics and a rollout-gallery entry for the first prompt. `markers`: the
+    word lists whose answer shares are logged (default `marker_sets()`: reflection, backtracking)."""
+    return learn(ctx, produce(ctx, samples, draw), markers)
+
+
+def learn(ctx: StepContext, produced: Produced, markers: dict[str, tuple[str, ...]] | None = None,
+          push_weights: bool = True) -> tuple[dict[str, float], dict]:
+    """Stages III + IV on a produced batch, then the step's metrics and gallery entry. `push_weights`: hand a vLLM
+    engine the updated weights now (asynchronous rollouts push them when they next sample instead)."""
+    batch, first, vision_calls = produced.batch, produced.first, produced.vision_calls
     t1 = time.perf_counter()
     if not ctx.policy.model.training:  # (a loaded model starts in eval mode) the update trains with dropout as set
         ctx.policy.model.train()
     traj = build_trajectories(ctx, batch)
     metrics = update(ctx, batch.rollout.scoring_inputs(batch.prompts)[0], traj)
-    if traj.old_logprobs is not None:  # recomputed before the update: the sampler's gap to them (else the update's)
+    if traj.old_logprobs is not None and ctx.algorithm.ratio_denominator == "proximal":  # recomputed: the sampler's
+        # gap to them (else the update's)
         total, largest, count = logprob_gap(batch.rollout.logprobs, traj.old_logprobs, batch.rollout.completion_mask)
         metrics["rollout/logprob_gap_mean"] = total / max(count, 1)
         metrics["rollout/logprob_gap_max"] = largest
-    if ctx.engine is not None:  # the next step samples from the updated weights
+    if ctx.engine is not None and push_weights:  # the next step samples from the updated weights
         with gathered(ctx.forward):
             ctx.engine.push_weights(ctx.policy)
     t2 = time.perf_counter()
@@ -351,18 +382,19 @@ def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
         "response_length": rollout.lengths.float().mean().item(),
         "truncated_share": rollout.truncated.float().mean().item(),
         "vision_forward_calls_rollout": vision_calls,
-        "time/collect_score": t1 - t0, "time/update": t2 - t1,
-        "rollouts_per_second": len(rollout.texts) / (t2 - t0),
+        "time/collect_score": produced.seconds, "time/update": t2 - t1,
+        "rollouts_per_second": len(rollout.texts) / (produced.seconds + t2 - t1),
         # tokens this rank processed (prompts once per answer, as the training forward sees them, plus answers)
         "tokens_per_second": float(batch.prompts.attention_mask.sum(-1)[batch.rollout.prompt_index].sum()
-                                   + batch.rollout.lengths.sum()) / (t2 - t0),
+                                   + batch.rollout.lengths.sum()) / (produced.seconds + t2 - t1),
     })
     device = ctx.policy.family.device
     # reasoning chain, token efficiency, marker shares and compute per 1,000 rollouts, pooled over the ranks
     reduce = rank_sum(ctx)
     pool = None if reduce is None else lambda xs: reduce(torch.tensor(xs, dtype=torch.float64)).tolist()
     metrics.update(rollout_metrics(rollout.texts, correct, rollout.lengths.tolist(),
-                                   token_counter(ctx.policy.processor.tokenizer), markers or marker_sets(), t2 - t0,
+                                   token_counter(ctx.policy.processor.tokenizer), markers or marker_sets(),
+                                   produced.seconds + t2 - t1,
                                    ctx.dist.world if device.type == "cuda" else 0, pool))
     if device.type == "cuda":  # this rank's peak GPU memory during the step
         metrics["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3

@@ -44,6 +44,7 @@ from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_deci
 from vlmrl.trainer.resume import check_resume, find_resume_point, rewind_checkpoints
 from vlmrl.trainer.sft import sft_step
 from vlmrl.trainer.watch import (
+    MismatchWatch,
     RewardFailureWatch,
     SignalWatch,
     TruncationWatch,
@@ -280,19 +281,26 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
             with gathered(job.ctx.forward):
                 logger.log(run_eval(policy, cfg, data.eval, rewards, Progress(), f"step {point.step}"), point.step,
                            "eval")
-    with StopRequest(progress.message) as stop:  # also through the final evaluation and checkpoint
-        stopped_at = rl_loop(job, data, rewards, logger, progress, point.step + 1 if point else 1, stop)
-        if stopped_at is not None:
-            summary.update(preempted=signal.Signals(stop.signum).name, stopped_at=stopped_at,
-                           checkpoint=str(run_dir / f"checkpoint-{stopped_at}"), resume=f"vlmrl train --resume {run_dir}")
-        elif cfg.trainer.steps == 0 and point is None:  # no RL: the start is the end (checkpoint-0, evaluated)
-            summary.update(final=summary["start"], checkpoint=str(run_dir / "checkpoint-0"))
-        else:
-            with gathered(job.ctx.forward):
-                summary["final"] = run_eval(policy, cfg, data.eval, rewards, progress, "after RL",  # + its answers
-                                            run_dir / EVAL_SAMPLES if dist_info.is_main else None, cfg.trainer.steps)
-            logger.log(summary["final"], cfg.trainer.steps, "eval")
-            summary["checkpoint"] = str(job.checkpoint(cfg.trainer.steps))
+    if cfg.rollout.asynchronous and job.dpo is None:
+        job.start_rollouts(point.checkpoint if point else None)
+    try:  # (asynchronous rollouts: the producer stops after the final checkpoint saved what it made)
+        with StopRequest(progress.message) as stop:  # also through the final evaluation and checkpoint
+            stopped_at = rl_loop(job, data, rewards, logger, progress, point.step + 1 if point else 1, stop)
+            if stopped_at is not None:
+                summary.update(preempted=signal.Signals(stop.signum).name, stopped_at=stopped_at,
+                               checkpoint=str(run_dir / f"checkpoint-{stopped_at}"),
+                               resume=f"vlmrl train --resume {run_dir}")
+            elif cfg.trainer.steps == 0 and point is None:  # no RL: the start is the end (checkpoint-0, evaluated)
+                summary.update(final=summary["start"], checkpoint=str(run_dir / "checkpoint-0"))
+            else:
+                with gathered(job.ctx.forward):
+                    summary["final"] = run_eval(policy, cfg, data.eval, rewards, progress, "after RL",  # + answers
+                                                run_dir / EVAL_SAMPLES if dist_info.is_main else None,
+                                                cfg.trainer.steps)
+                logger.log(summary["final"], cfg.trainer.steps, "eval")
+                summary["checkpoint"] = str(job.checkpoint(cfg.trainer.steps))
+    finally:
+        job.close()
     summary["notes"] += warnings + job.notes
     summary["wall_seconds"] = job.wall_before + time.perf_counter() - t_start
     if stopped_at is None:
@@ -310,7 +318,8 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
     """RL steps `first_step`..trainer.steps with their evaluations, rollout gallery and checkpoints. Returns None
     when done, or the step after which a signal stopped the run (its checkpoint written)."""
     cfg, t, ctx = job.cfg, job.cfg.trainer, job.ctx
-    clock, watches = SaveClock(t), (SignalWatch(cfg), TruncationWatch(cfg), RewardFailureWatch(cfg), UngradedWatch())
+    clock, watches = SaveClock(t), (SignalWatch(cfg), TruncationWatch(cfg), RewardFailureWatch(cfg), UngradedWatch(),
+                                  MismatchWatch(cfg))
     progress.start("rl", t.steps - first_step + 1)
     try:
         for step in range(first_step, t.steps + 1):

@@ -1,0 +1,127 @@
+"""Asynchronous rollouts with bounded staleness (vlmrl/trainer/asynchronous.py): staleness 0 is synchronous training
+bit for bit, staleness S trains each step on exactly the version S behind, answers older than the bound are dropped
+and counted, a failed or stuck producer stops the run with a clear error, and resume is exact."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import vlmrl.trainer.asynchronous as asynchronous
+from vlmrl.errors import TrainingError
+from vlmrl.trainer.run import train
+
+from .test_train_e2e import SMALL
+
+GRPO = ["sft.steps=2", "trainer.lr=3e-2", "trainer.steps=4", "rollout.prompts_per_step=2", "rollout.group_size=3",
+        "trainer.log_rollouts_every=0"]
+
+
+# answers of different lengths score differently even for an untrained model, so every step moves the weights
+REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for c in completions]\n"
+
+
+def run(tmp_path: Path, name: str, *extra: str, resume: Path | None = None) -> dict:
+    from vlmrl.config import load_config
+
+    reward = tmp_path / "reward.py"
+    reward.write_text(REWARD)
+    cfg = load_config(None, [*SMALL, *GRPO, f"trainer.output_dir={tmp_path / name}",
+                             f"rewards=[{{name: '{reward}:score', isolate: false}}]", *extra])
+    return train(cfg, resume=resume)
+
+
+def weights(run_dir: str | Path, step: int) -> dict[str, torch.Tensor]:
+    from vlmrl.models import load_policy
+
+    model = load_policy(Path(run_dir) / f"checkpoint-{step}").model
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def train_rows(run_dir: str | Path) -> list[dict]:
+    rows = [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if r["phase"] == "train"]
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_staleness_zero_is_synchronous_training_bit_for_bit(tmp_path):
+    sync = run(tmp_path, "sync")
+    zero = run(tmp_path, "zero", "rollout.asynchronous=true", "rollout.max_staleness=0")
+    assert same(weights(sync["run_dir"], 4), weights(zero["run_dir"], 4))
+    rows = train_rows(zero["run_dir"])
+    assert [r["async/staleness"] for r in rows] == [0.0] * 4
+    assert [r["reward/total/mean"] for r in rows] == [r["reward/total/mean"] for r in train_rows(sync["run_dir"])]
+
+
+def test_staleness_one_trains_on_the_version_before(tmp_path, monkeypatch):
+    """Every step after the first trains on answers sampled by the weights one update older; recorded by watching
+    which weights the producer's copy holds when it samples each step."""
+    seen: dict[int, dict[str, torch.Tensor]] = {}
+    real = asynchronous.produce
+
+    def spy(ctx, samples, draw=None):
+        seen[ctx.step] = {n: p.detach().clone() for n, p in ctx.policy.model.named_parameters()}
+        return real(ctx, samples, draw)
+
+    monkeypatch.setattr(asynchronous, "produce", spy)
+    out = run(tmp_path, "one", "rollout.asynchronous=true", "rollout.max_staleness=1", "trainer.save_every=1",
+              "trainer.keep_checkpoints=0")
+    rows = train_rows(out["run_dir"])
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    assert sorted(seen) == [1, 2, 3, 4, 5]  # (step 5: made for a longer run, saved with the last checkpoint)
+    for step in range(1, 6):  # step s sampled by version max(0, s - 2): checkpoint-(s - 2)'s weights
+        w = weights(out["run_dir"], max(0, step - 2))
+        shared = list(seen[step])
+        assert all(torch.equal(seen[step][n], w[n]) for n in shared), step
+        if step > 2:  # and not the weights one update newer
+            newer = weights(out["run_dir"], step - 1)
+            assert not all(torch.equal(seen[step][n], newer[n]) for n in shared), step
+    assert "mismatch/k3" in rows[1] and rows[1]["mismatch/k3"] > 0  # the stale answers' gap is measured
+    assert rows[0]["mismatch/k3"] < 1e-6  # (step 1: sampled by the weights it trains)
+
+
+def test_resume_is_exact_with_the_saved_answers(tmp_path):
+    whole = run(tmp_path, "whole", "rollout.asynchronous=true", "rollout.max_staleness=2")
+    first = run(tmp_path, "part", "rollout.asynchronous=true", "rollout.max_staleness=2", "trainer.steps=2")
+    assert (Path(first["run_dir"]) / "checkpoint-2" / asynchronous.PENDING_FILE).exists()
+    resumed = run(tmp_path, "part", "rollout.asynchronous=true", "rollout.max_staleness=2",
+                  resume=Path(first["run_dir"]))
+    assert same(weights(whole["run_dir"], 4), weights(resumed["run_dir"], 4))
+
+
+def test_answers_older_than_the_bound_are_dropped_and_counted(tmp_path):
+    first = run(tmp_path, "part", "rollout.asynchronous=true", "rollout.max_staleness=2", "trainer.steps=2")
+    resumed = run(tmp_path, "part", "rollout.asynchronous=true", "rollout.max_staleness=0",
+                  resume=Path(first["run_dir"]))
+    rows = train_rows(resumed["run_dir"])
+    late = [r for r in rows if r["step"] > 2]
+    # steps 3 and 4 were produced by version 0 (staleness 2 and 3 > 0 at steps 3, 4): dropped, sampled again
+    assert [r["async/dropped_steps"] for r in late] == [1.0, 2.0]
+    assert [r["async/staleness"] for r in late] == [0.0, 0.0]
+
+
+def test_a_failing_producer_stops_the_run_with_its_error(tmp_path, monkeypatch):
+    def broken(ctx, samples, draw=None):
+        raise ValueError("reward server said no")
+
+    monkeypatch.setattr(asynchronous, "produce", broken)
+    with pytest.raises(TrainingError, match="rollout producer failed: ValueError: reward server said no"):
+        run(tmp_path, "broken", "rollout.asynchronous=true")
+
+
+def test_a_stuck_producer_stops_the_run_instead_of_hanging(tmp_path, monkeypatch):
+    def stuck(ctx, samples, draw=None):
+        time.sleep(30)
+
+    monkeypatch.setattr(asynchronous, "produce", stuck)
+    t0 = time.perf_counter()
+    with pytest.raises(TrainingError, match="producer_timeout=2 s: the producer has been generating step 1"):
+        run(tmp_path, "stuck", "rollout.asynchronous=true", "rollout.producer_timeout=2")
+    assert time.perf_counter() - t0 < 25

@@ -1,0 +1,203 @@
+"""Asynchronous rollouts with bounded staleness (`rollout.asynchronous`): a producer samples and scores the next
+steps' answers while the trainer trains on this step's.
+
+Versions: the trainer's weights after k optimizer updates of the RL phase are version k; step s trains version s - 1.
+With `max_staleness` S, step s trains on answers sampled by version max(0, s - 1 - S), exactly: S = 0 is
+synchronous training (the answers of step s come from the weights step s trains), S = 1 trains every step on the
+answers of the version before (after the first, which has nothing older). The off-policy gap this leaves is what
+`algorithm.rollout_correction` corrects (`auto`: MIS) and the `mismatch/*` metrics measure.
+
+How, in one process: a producer thread runs stages I + II (`rl.produce`: generation, rewards, tools, image
+preprocessing) on a copy of the policy (S > 0; the rollout engine when `rollout.engine=vllm`), one step at a time,
+in order. At the start of step s the trainer (1) waits until the producer has finished what it was given, (2) hands
+the copy the current weights (version s - 1), (3) draws the prompts of step s + S and gives them to the producer,
+(4) takes step s's answers and trains on them while the producer generates step s + S. Every draw from the run's
+random stream happens on the trainer's thread, in step order, so a run repeats exactly; the producer's sampling uses
+each prompt's own seed (`rl.prompt_seed`). Under torchrun every rank runs its own producer on its shard; the producer
+makes no collective.
+
+Answers older than the bound (only possible when a run is resumed with a lower `max_staleness` than it saved with)
+are dropped, counted in `async/dropped_steps`, and sampled again from the current weights. A producer that raises
+stops the run with its error; one that has given nothing for `rollout.producer_timeout` seconds stops it with an
+error naming the step, instead of hanging.
+
+Checkpoints save the produced-but-not-trained steps (`pending_rollouts*.pt`, per rank), so a resumed run trains on
+exactly the answers the uninterrupted run would have; a checkpoint first waits for the step being generated.
+
+What staleness costs: the copy's memory (a second set of weights; none at S = 0), and a bias unless corrected. What
+it buys: generation overlaps training. On a 2-core CPU both compete for the same cores (BENCHMARKS.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from vlmrl.errors import TrainingError
+from vlmrl.models.policy import Policy
+from vlmrl.trainer.distributed import TrainingForward, gathered
+from vlmrl.trainer.rl import Produced, produce
+from vlmrl.trainer.types import StepContext
+
+PENDING_FILE = "pending_rollouts.pt"
+
+
+def pending_file(checkpoint: Path, rank: int) -> Path:
+    return Path(checkpoint) / (PENDING_FILE if rank == 0 else f"pending_rollouts-rank{rank}.pt")
+
+
+class AsyncRollouts:
+    """The producer and its bounded queue of produced steps. `draw(step)` returns the prompts of a step (drawn on the
+    trainer's thread, in step order); `rollout_policy`: the copy the producer samples with (None: S = 0 or a rollout
+    engine, which samples with its own weights)."""
+
+    def __init__(self, ctx: StepContext, draw, max_staleness: int, timeout: float,
+                 rollout_policy: Policy | None = None):
+        self.ctx, self.draw, self.staleness, self.timeout = ctx, draw, max_staleness, timeout
+        self.rollout_policy = rollout_policy
+        self.copy_version: int | None = None  # the version the copy (or engine) holds
+        self.produced: dict[int, Produced] = {}  # step -> its answers, produced or loaded from a checkpoint
+        self.samples: dict[int, list[dict]] = {}  # step -> its prompts (all ranks'), until it is trained
+        self.next_request: int | None = None  # the first step not yet given to the producer
+        self.dropped = 0
+        self.waited = 0.0
+        self._requests: queue.Queue = queue.Queue()
+        self._done = threading.Condition()
+        self._busy: int | None = None  # the step being generated
+        self._busy_since = 0.0
+        self._error: BaseException | None = None
+        self._error_text = ""
+        self._thread = threading.Thread(target=self._work, name="vlmrl-rollout-producer", daemon=True)
+        self._thread.start()
+
+    # -- the producer thread -----------------------------------------------------------------------------------------
+    def _context(self, step: int) -> StepContext:
+        policy = self.rollout_policy or self.ctx.policy
+        forward = self.ctx.forward if self.rollout_policy is None else TrainingForward(policy)
+        return dataclasses.replace(self.ctx, policy=policy, forward=forward, step=step, observe=None)
+
+    def _work(self) -> None:
+        while True:
+            item = self._requests.get()
+            if item is None:
+                return
+            step, version, samples = item
+            try:
+                out = produce(self._context(step), samples)
+                out.version = version
+            except BaseException as exc:  # handed to the trainer's thread, which stops the run with it
+                with self._done:
+                    self._error, self._error_text = exc, traceback.format_exc()
+                    self._busy = None
+                    self._done.notify_all()
+                return
+            with self._done:
+                self.produced[step] = out
+                self._busy = None
+                self._done.notify_all()
+
+    # -- the trainer's side ------------------------------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise TrainingError(f"the rollout producer failed: {type(self._error).__name__}: {self._error}\n"
+                                f"{self._error_text}") from self._error
+
+    def _wait(self, until) -> None:
+        """Wait until `until()` holds (under the lock); a failed or stuck producer raises instead of hanging."""
+        t0 = time.perf_counter()
+        with self._done:
+            while not until():
+                self._raise_if_failed()
+                if not self._thread.is_alive():
+                    raise TrainingError("the rollout producer stopped without an error; the run cannot go on")
+                left = self.timeout - (time.perf_counter() - t0)
+                if left <= 0:
+                    busy = f"step {self._busy}'s answers for {time.perf_counter() - self._busy_since:.0f} s" \
+                        if self._busy is not None else "nothing"
+                    raise TrainingError(f"no rollouts after rollout.producer_timeout={self.timeout:g} s: the "
+                                        f"producer has been generating {busy}; a reward, tool or judge that never "
+                                        f"returns stops it like this (raise the timeout if generation is that slow)")
+                self._done.wait(min(left, 1.0))
+            self._raise_if_failed()
+        self.waited += time.perf_counter() - t0
+
+    def _push(self, version: int) -> None:
+        """Give the copy (or engine) the trainer's current weights, version `version`; the producer is idle."""
+        if self.copy_version == version:
+            return
+        ctx = self.ctx
+        if ctx.engine is not None:
+            with gathered(ctx.forward):
+                ctx.engine.push_weights(ctx.policy)
+        elif self.rollout_policy is not None:
+            with torch.no_grad(), gathered(ctx.forward):
+                for src, dst in zip(ctx.policy.model.parameters(), self.rollout_policy.model.parameters(),
+                                    strict=True):
+                    dst.copy_(src.full_tensor() if hasattr(src, "full_tensor") else src)
+        self.copy_version = version
+
+    def _request(self, step: int, version: int) -> None:
+        self._wait(lambda: self._busy is None)
+        self._push(version)
+        self.samples[step] = self.draw(step)
+        self._give(step, version, self.samples[step])
+
+    def _give(self, step: int, version: int, samples: list[dict]) -> None:
+        with self._done:
+            self._busy, self._busy_since = step, time.perf_counter()
+        self._requests.put((step, version, samples))
+
+    def batch_for(self, step: int) -> Produced:
+        """Step `step`'s answers, sampled by version max(0, step - 1 - S) (the trainer holds version step - 1);
+        requests the steps up to step + S first."""
+        version = step - 1
+        if self.next_request is None:
+            self.next_request = step
+        while self.next_request <= step + self.staleness:
+            self._request(self.next_request, version)
+            self.next_request += 1
+        self._wait(lambda: step in self.produced)
+        out = self.produced.pop(step)
+        if version - out.version > self.staleness:  # (a resume with a lower bound than the checkpoint's)
+            self.dropped += 1
+            self._wait(lambda: self._busy is None)
+            self._push(version)
+            self._give(step, version, self.samples[step])
+            self._wait(lambda: step in self.produced)
+            out = self.produced.pop(step)
+        del self.samples[step]
+        return out
+
+    def metrics(self, step: int, out: Produced) -> dict[str, float]:
+        m = {"async/staleness": float(step - 1 - out.version), "async/dropped_steps": float(self.dropped),
+             "async/wait_seconds": self.waited}
+        self.waited = 0.0
+        return m
+
+    # -- checkpoints -------------------------------------------------------------------------------------------------
+    def save(self, checkpoint: Path, rank: int) -> None:
+        """The produced-but-not-trained steps, after the one being generated is done."""
+        self._wait(lambda: self._busy is None)
+        torch.save({"next_request": self.next_request, "produced": dict(self.produced),
+                    "samples": dict(self.samples)}, pending_file(checkpoint, rank))
+
+    def load(self, checkpoint: Path, rank: int) -> bool:
+        """Steps a checkpoint saved as produced (False: it saved none, e.g. a synchronous run's)."""
+        path = pending_file(checkpoint, rank)
+        if not path.exists():
+            return False
+        state = torch.load(path, weights_only=False)
+        self.produced.update(state["produced"])
+        self.samples.update(state["samples"])
+        self.next_request = state["next_request"]
+        return True
+
+    def close(self) -> None:
+        self._requests.put(None)
+        self._thread.join(timeout=5)
