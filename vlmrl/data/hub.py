@@ -7,7 +7,8 @@ A recipe names the dataset, its split and how its columns map to vlmrl's::
       split: train
       columns: {problem: question, solution: answer, images: decoded_image}   # vlmrl name: the dataset's column
 
-``columns`` renames; the targets are vlmrl's fields (``image``/``images``, ``problem``, ``solution``,
+``image_token`` names the marker a dataset writes for an image inside its text (``<image>`` in Geometry3K and MAYE's
+data); it is removed from ``problem``, since vlmrl's chat template places the images. ``columns`` renames; the targets are vlmrl's fields (``image``/``images``, ``problem``, ``solution``,
 ``answer_type``, ``options``, ``id``, ``task``, or any other name, which passes through to rewards as a column). A
 dataset column that a mapping replaces is dropped (MathVista's ``image`` path when ``image: decoded_image``). Rows
 then load exactly as user files do (``vlmrl.data.files``): single- or multi-image, images decoded when used, every
@@ -35,8 +36,8 @@ from .files import ON_ERROR, RowError, collect_rows, dataset_rows, import_datase
 from .images import CHECKS
 from .sample import DataError, LoadReport, Sample
 
-HUB_SPEC_KEYS: tuple[str, ...] = ("hub", "split", "config", "revision", "columns", "n", "on_error", "check_images",
-                                  "image_root")
+HUB_SPEC_KEYS: tuple[str, ...] = ("hub", "split", "config", "revision", "columns", "image_token", "n", "on_error",
+                                  "check_images", "image_root")
 REACH_TIMEOUT = 3.0  # seconds to wait for the hub's endpoint before treating the machine as offline
 _TRUE = {"1", "ON", "YES", "TRUE"}
 
@@ -194,12 +195,15 @@ def load_hub(spec: Mapping[str, Any], where: str = "data spec", default_on_error
     check_columns(dataset, list(dict.fromkeys([*columns.values(), *(needed or [])])), label, where,
                   "fix the 'columns' mapping {vlmrl name: dataset column}" if columns else "")
     rename = renamer(columns) if columns else None
+    marker = spec.get("image_token")
 
     def row_of(row: dict) -> Any:
         row = rename(row) if rename else row
+        if marker and isinstance(row.get("problem"), str):
+            row = {**row, "problem": row["problem"].replace(marker, "").strip()}
         return transform(row) if transform else row
 
-    rows = dataset_rows(dataset, label, row_of if (rename or transform) else None)
+    rows = dataset_rows(dataset, label, row_of if (rename or transform or marker) else None)
     base = Path(spec.get("image_root") or (name if is_local(str(name)) else ".")).expanduser().absolute()
     stem = str(name).rstrip("/").split("/")[-1]
     try:
@@ -216,7 +220,7 @@ def _check_spec(spec: Mapping[str, Any], where: str) -> None:
                             f"{list(HUB_SPEC_KEYS)}")
     if not isinstance(spec.get("hub"), str) or not spec["hub"]:
         raise DataError(f"{where}: 'hub' must be a dataset name (owner/name) or a folder, got {spec.get('hub')!r}")
-    for key in ("split", "config", "revision", "image_root"):
+    for key in ("split", "config", "revision", "image_root", "image_token"):
         if spec.get(key) is not None and not isinstance(spec[key], str):
             raise DataError(f"{where}: '{key}' must be a string, got {spec[key]!r}")
     columns = spec.get("columns")

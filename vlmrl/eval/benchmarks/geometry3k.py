@@ -36,6 +36,15 @@ def geometry3k_score(completions: list, solution: list, **_: Any) -> list[float 
     return accuracy_reward(texts, list(solution), answer_type=["math"] * len(texts), extract="boxed", strict=False)
 
 
+def easyr1_format(completions: list, **_: Any) -> list[float | None]:
+    """EasyR1's format reward (examples/reward_function/math.py): 1.0 when the response is a `<think>...</think>`
+    block followed by a `\\boxed{...}` answer, after its whitespace normalisation around `<`, `>` and `/`. The seed
+    recipe recipes/easyr1_geometry3k.yaml weights it 0.1, as EasyR1's `format_weight`."""
+    pattern = re.compile(r"<think>.*</think>.*\\boxed\{.*\}.*", re.DOTALL)
+    texts = [re.sub(r"\s*(<|>|/)\s*", r"\1", completion_text(c)) for c in completions]
+    return [1.0 if pattern.fullmatch(t) else 0.0 for t in texts]
+
+
 GEOMETRY3K = register_benchmark(Benchmark(
     name="geometry3k", hub="hiyouga/geometry3k", split="test", adapt=geometry3k_row, score=geometry3k_score,
     columns=("images", "problem", "answer"), answer_type="math", max_new_tokens=2048,
