@@ -29,19 +29,19 @@ def final_answer(text: str) -> str:
         if match:
             stated = match.group(1)
     if stated is not None:
-        return stated.strip().strip("*").strip().rstrip(".").strip()
+        return stated.strip().rstrip(".").strip().strip("*").strip()
     return extract_last_line(outside) or ""
 
 
 def choice_letter(answer: str, n_options: int) -> str | None:
-    """The option letter an answer names: "B", "(B)", "B.", "B) text", "Option B", "B: text"; None when it names no
-    letter among the first `n_options`, or several."""
+    """The option letter an answer names: "B", "(B)", "B.", "B) text", "Option B", "B: text", or the one "(B)" inside
+    a sentence; None when it names no letter among the first `n_options` (capitals only), or several ("A or B")."""
     letters = "".join(chr(ord("A") + i) for i in range(n_options))
     text = answer.strip()
     text = re.sub(r"^(?:option|choice)\s+", "", text, flags=re.IGNORECASE)
-    match = re.fullmatch(rf"\(?([{letters}])\)?(?:\s*[.:)]\s*.*|\s+.*)?", text, flags=re.S) if letters else None
-    if match:
-        return match.group(1)
+    match = re.fullmatch(rf"\(?([{letters}])\)?((?:\s*[.:)]\s*.*|\s+.*)?)", text, flags=re.S) if letters else None
+    if match:  # "A or B", "A, B": a second option letter after the first names no one option
+        return None if re.search(rf"(?<![\w'])\(?[{letters}]\)?(?![\w'])", match.group(2)) else match.group(1)
     found = set(re.findall(rf"\(([{letters}])\)", text)) if letters else set()
     return found.pop() if len(found) == 1 else None
 

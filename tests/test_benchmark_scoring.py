@@ -1,0 +1,142 @@
+"""Each benchmark's scorer on hand-picked answers, against what its published evaluator does with them: MathVista's
+letters, option texts, units, integer and float precision (lupantech/MathVista calculate_score.py), MathVerse's
+letters and math answers, EasyR1's boxed Geometry3K answers, R1-V's SuperCLEVR regex, RefCOCO boxes in each model
+family's coordinate convention at IoU 0.5, V*'s option letters; and the registry."""
+
+import pytest
+
+from vlmrl.errors import ConfigError
+from vlmrl.eval.benchmarks import BENCHMARKS, categories, parse_benchmark, resolve_benchmark
+from vlmrl.eval.benchmarks.extract import choice_letter, final_answer, levenshtein
+from vlmrl.eval.benchmarks.geometry3k import geometry3k_score
+from vlmrl.eval.benchmarks.mathverse import score as mathverse_score
+from vlmrl.eval.benchmarks.mathvista import normalize
+from vlmrl.eval.benchmarks.mathvista import score as mathvista_score
+from vlmrl.eval.benchmarks.refcoco import box_convention, predicted_box
+from vlmrl.eval.benchmarks.refcoco import score as refcoco_score
+from vlmrl.eval.benchmarks.superclevr import superclevr_score
+from vlmrl.eval.benchmarks.vstar import score as vstar_score
+
+COMPARE = ["larger than", "equal to", "smaller than"]
+ANGLES = ["30", "45", "60", "90"]
+
+
+def mathvista(answers, answer, qtype, atype, choices=None, precision=None):
+    n = len(answers)
+    return mathvista_score(answers, [answer] * n, question_type=[qtype] * n, mathvista_answer_type=[atype] * n,
+                           choices=[choices or []] * n, precision=[precision] * n)
+
+
+def test_mathvista_multiple_choice_letters_and_option_texts():
+    answers = ["B", "(B) equal to", "equal to", "The answer is B.", "<think>maybe (A)</think><answer>B</answer>",
+               "The answer is A.", "(C)", "equal"]
+    # "equal" is no option: calculate_score.py maps any text to the option nearest by edit distance
+    assert mathvista(answers, "equal to", "multi_choice", "text", COMPARE) == [1, 1, 1, 1, 1, 0, 0, 1]
+    # numeric options: a letter is its option's text; "45°" is nearest to "45"; "C" is 60
+    assert mathvista(["B", "45°", "C", "45"], "45", "multi_choice", "text", ANGLES) == [1, 1, 0, 1]
+
+
+def test_mathvista_integers_floats_units_and_lists():
+    ints = ["3", "There are 3 red blocks.", "3.0", "\\boxed{3}", "\\boxed{4}", "", "three"]
+    assert mathvista(ints, "3", "free_form", "integer") == [1, 1, 1, 1, 0, 0, 0]
+    assert mathvista(["1,000 people"], "1000", "free_form", "integer") == [1]
+    # floats rounded to the problem's precision before the string comparison, as calculate_score.py does
+    floats = ["2.50", "The length is 2.54 cm", "2.6", "Answer: 2.5 cm", "2.46"]
+    assert mathvista(floats, "2.5", "free_form", "float", precision=1.0) == [1, 1, 0, 1, 1]
+    assert mathvista(["[1, 2, 3]", "[1,2,3]"], "[1, 2, 3]", "free_form", "list") == [1, 0]  # compared as strings
+
+
+def test_mathvista_normalize_matches_calculate_score():
+    assert normalize("(A) text", COMPARE, "multi_choice", "text", None) == "larger than"
+    assert normalize("D", COMPARE, "multi_choice", "text", None) == "equal to"  # no option D: the nearest text
+    assert normalize("7.0", [], "free_form", "integer", None) == "7"
+    assert normalize("seven", [], "free_form", "integer", None) is None
+    assert normalize("0.333", [], "free_form", "float", 2.0) == "0.33"
+    assert levenshtein("kitten", "sitting") == 3 and levenshtein("", "ab") == 2
+
+
+def test_mathverse_letters_and_math_answers():
+    n = 4
+    assert mathverse_score(["B", "(B)", "Answer: C", "The answer is B."], ["B"] * n,
+                           question_type=["multi-choice"] * n) == [1, 1, 0, 1]
+    assert mathverse_score(["0.5", "so \\boxed{\\dfrac{1}{2}}", "1/3"], ["\\frac{1}{2}"] * 3,
+                           question_type=["free-form"] * 3) == [1, 1, 0]
+    assert mathverse_score(["The answer is 25.", "24"], ["25"] * 2, question_type=["free-form"] * 2) == [1, 0]
+
+
+def test_geometry3k_reads_the_last_boxed_answer_as_easyr1():
+    answers = ["<think>x^2 = 18</think> so x = \\boxed{3\\sqrt{2}}", "\\boxed{\\sqrt{18}}", "<answer>3\\sqrt{2}</answer>",
+               "\\boxed{2} no, \\boxed{3\\sqrt{2}}", "\\boxed{4}"]
+    assert geometry3k_score(answers, ["3\\sqrt{2}"] * 5) == [1, 1, 0, 1, 0]
+
+
+def test_superclevr_uses_r1v_regex():
+    answers = ["<think>count</think><answer>5</answer>", "<answer> 5 </answer>", "<answer>5 items</answer>",
+               "<answer>3</answer> wait <answer>5</answer>", "5", "<answer>05</answer>"]
+    assert superclevr_score(answers, ["5"] * 6) == [1, 1, 0, 0, 0, 1]
+
+
+def test_refcoco_boxes_in_each_family_convention():
+    gold, w, h = "[10, 8, 40, 28]", 64, 48
+    grid = "<answer>[156, 167, 625, 583]</answer>"  # Qwen2-VL: the gold box on the 0..1000 grid
+    tokens = "<|box_start|>(156,167),(625,583)<|box_end|>"
+    assert refcoco_score([grid, tokens], [gold] * 2, width=[w] * 2, height=[h] * 2,
+                         box_convention=["grid1000"] * 2) == [1, 1]
+    # the same grid numbers read as pixels are outside the image; box tokens are always on the grid
+    assert refcoco_score([grid, tokens], [gold] * 2, width=[w] * 2, height=[h] * 2,
+                         box_convention=["pixels"] * 2) == [0, 1]
+    # Qwen2.5-VL: pixels of the resized input (640x480 shown to the model as 112x84)
+    qwen25 = '<answer>```json\n[{"bbox_2d": [17, 14, 70, 49], "label": "cup"}]\n```</answer>'
+    big = "[100, 80, 400, 280]"
+    kw = dict(width=[640], height=[480], input_width=[112], input_height=[84])
+    assert refcoco_score([qwen25], [big], box_convention=["input_pixels"], **kw) == [1]
+    assert refcoco_score([qwen25], [big], box_convention=["pixels"], **kw) == [0]
+    assert box_convention("qwen2_5_vl") == "input_pixels" and box_convention("qwen2_vl") == "grid1000"
+    assert box_convention("llava") == "pixels"
+
+
+def test_refcoco_iou_threshold_and_answer_block():
+    gold = "[0, 0, 10, 10]"
+    answers = ["[0, 0, 10, 5]", "[0, 0, 10, 4.9]", "<think>[0, 0, 1, 1]</think><answer>[0, 0, 10, 10]</answer>",
+               "no box", "[10, 10, 0, 0]", "[0, 0, 10, 10] [50, 50, 60, 60]"]
+    n = len(answers)
+    # IoU 0.5 passes (>=), 0.49 fails; the think draft is ignored; an inverted box never pays; the first box counts
+    assert refcoco_score(answers, [gold] * n, width=[100] * n, height=[100] * n) == [1, 0, 1, 0, 0, 1]
+    assert predicted_box("[0.1, 0.2, 0.5, 0.6]", 100, 50, "normalized") == pytest.approx((10, 10, 50, 30))
+
+
+def test_vstar_option_letters():
+    answers = ["A", "(A) red", "The answer is A.", "A or B", "red", "<answer>B</answer>"]
+    assert vstar_score(answers, ["A"] * 6) == [1, 1, 1, 0, 0, 0]
+
+
+def test_extraction_rules():
+    assert final_answer("<think>x</think>work\n\\boxed{7}") == "7"
+    assert final_answer("steps\nThe final answer is **12**.") == "12"
+    assert final_answer("<answer>3</answer> trailing") == "3" and final_answer("a\nb\n") == "b"
+    assert choice_letter("A or B", 4) is None and choice_letter("it is (C) green", 4) == "C"
+    assert choice_letter("E", 4) is None
+
+
+def test_categories_count_list_values_in_each_item():
+    records = [{"answers_correct": [True], "lengths": [1], "truncated": [False], "vote": True,
+                "reasoning_tokens": [None]},
+               {"answers_correct": [False], "lengths": [1], "truncated": [False], "vote": False,
+                "reasoning_tokens": [None]}]
+    samples = [{"skills": ["algebra", "geometry"], "grade": "high"}, {"skills": ["geometry"], "grade": None}]
+    out = categories(records, samples, ["skills", "grade", "absent"])
+    assert out["skills"]["algebra"]["accuracy"] == 1.0 and out["skills"]["geometry"]["accuracy"] == 0.5
+    assert out["skills"]["geometry"]["n"] == 2 and set(out["grade"]) == {"high"} and "absent" not in out
+
+
+def test_registry_names_splits_and_unknowns():
+    assert {"mathvista", "mathverse", "geometry3k", "superclevr", "refcoco", "refcoco+", "refcocog",
+            "vstar"} <= set(BENCHMARKS)
+    benchmark, split = parse_benchmark("refcoco@testA")
+    assert benchmark.name == "refcoco" and split == "testA" and parse_benchmark("vstar")[1] is None
+    for b in BENCHMARKS.values():
+        assert b.source and b.columns and b.max_new_tokens > 0
+    with pytest.raises(ConfigError, match="unknown benchmark 'mathvist'; built-in benchmarks: geometry3k"):
+        resolve_benchmark("mathvist")
+    with pytest.raises(ConfigError, match="file 'nope.py' not found"):
+        resolve_benchmark("nope.py:x")
