@@ -11,9 +11,9 @@ The quick check (--quick)
 -------------------------
 The check to run first, on one GPU, in one command: the 3b model only (built here: Qwen2.5-VL-3B's published shapes,
 random weights, the real tokenizer and processor), full fine-tuning and LoRA with the built-in sampler in bf16 (the
-same training settings as the full check below), then the LoRA base-drift check (20 pushes), then the
-two vLLM cases only where `import vllm` works; no torchrun cases. Its planned time on one 80 GB H100/H200
-(QUICK_PLAN_S; not yet timed on a GPU):
+same training settings as the full check below), then the LoRA base-drift check (20 pushes), then, only where
+`import vllm` works, the agent check (4 below) and the two vLLM cases; no torchrun cases. Its planned time on one
+80 GB H100/H200 (QUICK_PLAN_S; not yet timed on a GPU):
 
     job                  plan   what the time goes to
     startup               15 s  importing torch and transformers, probing CUDA and vLLM
@@ -26,8 +26,11 @@ two vLLM cases only where `import vllm` works; no torchrun cases. Its planned ti
                                 merging margin 15 s
     LoRA base drift       40 s  loading 3B into this process 15 s, 20 pushes to the stand-in 10 s, margin
     ---------------------------
-    total                320 s  (5.3 min) of the --budget of 450 s (7.5 min); with vLLM, each vLLM case
-                                plans 150 s more and runs only if the budget still covers it
+    total                320 s  (5.3 min) of the --budget of 450 s (7.5 min)
+    with vLLM:
+    agent check          120 s  process start and imports 15 s, loading 3B 15 s, starting vLLM (eager) 40 s, the
+                                two arms' rollouts and scoring 30 s, the image case 10 s, margin 10 s: 440 s
+    each vLLM case       150 s  runs only if the budget still covers it (after the agent check it does not)
 
 --budget (default 450 s with --quick on a GPU) enforces the plan: a job starts only while the time left
 covers its plan, a case's timeout is the time left, and a job that does not fit is reported skipped with the reason.
@@ -71,6 +74,13 @@ What it does
    `vllm.LLM` (`RecordingLLM`) that consumes the pushed (name, tensor) stream as vLLM's `load_weights` does.
    It reports the largest absolute change of any base weight (must be exactly 0: a push builds merged weights out
    of place and never writes the policy) and how many tensors were pushed.
+4. Agent check (only where `import vllm` works on CUDA; benchmarks/gpu_check_agent.py, its own process, on the first
+   model in bf16 with every weight training): the zoom agent (8 boards x 4 trajectories x 3 turns) sampled on vLLM
+   and on the built-in sampler from the same weights and seeds, each arm's sampler/trainer log-prob gap per turn
+   (mean, max, tokens); and a repeated image after a push of projector weights: the training forward's move of
+   that answer's log-probs and vLLM's gap to the new weights. ok: every turn's gap mean <= `--max-gap-mean` on
+   both arms, a third turn reached, the push moved the log-probs by >= 0.1 and vLLM's gap after it <= 0.1 (a stale
+   encoder cache would show a gap about as large as the move).
 
 Figures, per case (table columns; JSON keys in brackets)
 ---------------------------------------------------------
@@ -99,7 +109,8 @@ Figures, per case (table columns; JSON keys in brackets)
 > 0 and tokens/s > 0; a finite loss and grad_norm; the log-prob gap logged, finite, and its mean <= `--max-gap-mean`
 (0.1); on CUDA a logged peak memory. The drift check is ok when the drift is exactly 0.0 after every push, every
 push sent > 0 tensors, at least one pushed tensor differs from its base weight (the adapters reach the engine) and
-no LoRA layer is left merged. The script exits 1 if any case that was not skipped, or the drift check, is not ok.
+no LoRA layer is left merged. The script exits 1 if any case that was not skipped, the drift check or the agent
+check is not ok.
 
 Output: a table on stdout and `--out` (default WORK/gpu_check.json), rewritten after every case:
 {"ok", "failed": [names], "device", "tiny", "wall_s", "command", "environment": {python, torch, transformers, peft,
@@ -107,7 +118,9 @@ vllm, vllm_error, cuda, gpus: [{name, memory_gb}]}, "settings": {...}, "models":
 vocab_size, tie_word_embeddings, build_s, reused}}, "cases": [{name, model, mode, engine, launcher, nproc, status,
 reason, error, problems, the figures above}], "drift": {status, reason, error, problems, model, engine, pushes,
 tensors_per_push, tensors_pushed, lora_layers, pushed_changed, max_abs_drift, drift_after_first_push,
-seconds}}.
+seconds}, "agent": {status, reason, error, problems, vllm and hf: {per_turn: [{turn, tokens, gap_mean, gap_max}],
+reached_turn, images_per_trajectory, seconds}, image_push: {tokens, move_mean, gap_after_push_mean,
+gap_after_push_max, gap_to_old_weights_mean, gap_before_push_mean}, log, wall_s}}.
 
 `--device cpu --tiny` runs the same code with toy sizes (text width 64, 2 decoder layers, 1 vision block, the real
 tokenizer and vocabulary), float32 training, 2 steps of 2 prompts x 2 answers x 8 new tokens, the HF engine only
@@ -184,7 +197,7 @@ SETTINGS = {
 # --quick: planned seconds on one 80 GB H100/H200 (module docstring, "The quick check"); a job starts only while
 # the time left in --budget covers its plan, and a case's timeout is the time left
 QUICK_BUDGET_S = 450
-QUICK_PLAN_S = {"startup": 15, "build": 45, "full": 130, "lora": 90, "drift": 40, "vllm": 150}
+QUICK_PLAN_S = {"startup": 15, "build": 45, "full": 130, "lora": 90, "drift": 40, "agent": 120, "vllm": 150}
 QUICK_PUSHES = 20
 
 
@@ -589,8 +602,10 @@ def run_case(case: dict, s: dict, args, model_info: dict, work: Path, gpu_gb: fl
     return case
 
 
-# -- the LoRA base-drift check: benchmarks/gpu_check_drift.py
-from gpu_check_drift import LORA_R, run_drift  # noqa: E402  (the script's folder is on sys.path, see above)
+# -- the agent check (vLLM's multi-turn rollouts, a repeated image after a push): benchmarks/gpu_check_agent.py;
+# the LoRA base-drift check: benchmarks/gpu_check_drift.py (the script's folder is on sys.path, see above)
+from gpu_check_agent import agent_lines, run_agent_check, skip_reason  # noqa: E402
+from gpu_check_drift import LORA_R, run_drift  # noqa: E402
 
 
 # -- report -------------------------------------------------------------------------------------------------------
@@ -622,6 +637,7 @@ def table(report: dict) -> str:
                          f"{d.get('tensors_per_push', 0)} tensors ({d.get('tensors_pushed', 0)} in all; "
                          f"{d.get('pushed_changed', 0)} differ from their base weight)"
                          + (f"; {d['error']}" if d.get("error") else ""))
+    lines += agent_lines(report.get("agent"))
     lines.append("")
     if report.get("stopped"):
         verdict = f"STOPPED ({report['stopped']}); finished cases above" + \
@@ -639,6 +655,8 @@ def finish(report: dict, start: float) -> dict:
     failed = [c["name"] for c in report["cases"] if c["status"] not in ("ok", "skipped", "pending", "stopped")]
     if report.get("drift") and report["drift"]["status"] == "failed":
         failed.append("lora-drift")
+    if report.get("agent") and report["agent"]["status"] == "failed":
+        failed.append("agent-vllm")
     report.update(ok=not failed and not report.get("stopped"), failed=failed,
                   wall_s=round(time.perf_counter() - start, 1))
     return report
@@ -758,7 +776,8 @@ def main(argv: list[str] | None = None) -> int:
               "settings": {**s, "lora_r": LORA_R, "pushes": args.pushes, "max_gap_mean": args.max_gap_mean,
                            "budget_s": args.budget, "set": list(args.set), "work": str(work),
                            "runs_dir": args.runs_dir},
-              "stopped": None, "models": {}, "cases": plan_cases(args, env), "drift": None}
+              "stopped": None, "models": {}, "cases": plan_cases(args, env), "drift": None,
+              "agent": None}
     gpu_gb = env["gpus"][0]["memory_gb"] if env["gpus"] else None
     print(f"gpu_check{' --quick' if args.quick else ''}: {args.device}{' --tiny' if args.tiny else ''}, models "
           f"{' '.join(args.models)}, {sum(c['status'] != 'skipped' for c in report['cases'])} of "
@@ -801,6 +820,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f" {report['drift']['status']}", flush=True)
         write_report(report, start, out_path)
 
+    def agent(info):
+        reason = skip_reason(args, env["vllm_error"]) or ("model folder: " + info["error"] if "error" in info else None)
+        reason = reason or budget_skip(args, start, "agent")
+        if reason:
+            report["agent"] = {"status": "skipped", "model": info["name"], "reason": reason, "error": None,
+                               "problems": []}
+        else:
+            print("  agent check (zoom agent on vLLM vs the built-in sampler; a repeated image after a push) ...",
+                  end="", flush=True)
+            write_report(report, start, out_path, running="agent check")
+            report["agent"] = run_agent_check(args, info, work, time_left(args, start), run_process, child_env())
+            print(f" {report['agent']['status']}", flush=True)
+        write_report(report, start, out_path)
+
     try:
         for model in args.models:
             t0 = time.perf_counter()
@@ -823,6 +856,7 @@ def main(argv: list[str] | None = None) -> int:
                 run_one(case, info)
             if model == args.models[0]:
                 drift(info)
+                agent(info)
             for case in cases[first_vllm:]:
                 run_one(case, info)
     except KeyboardInterrupt:
@@ -832,6 +866,9 @@ def main(argv: list[str] | None = None) -> int:
                 case.update(status="stopped", reason="stopped while it ran")
             elif case["status"] == "pending":
                 case.update(status="skipped", reason="not run: the check was stopped")
+        if report["agent"] is None and report.get("running") == "agent check":
+            report["agent"] = {"status": "skipped", "model": args.models[0], "reason": "stopped while it ran",
+                               "error": None, "problems": []}
         if report["drift"] is None and report.get("running") == "LoRA base drift":
             report["drift"] = {"status": "skipped", "model": args.models[0], "reason": "stopped while it ran",
                                "error": None, "problems": []}

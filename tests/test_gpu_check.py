@@ -26,6 +26,7 @@ def _load_script():
 
 
 gpu_check = _load_script()  # (it puts benchmarks/ on sys.path)
+import gpu_check_agent  # noqa: E402
 import gpu_check_drift  # noqa: E402
 
 
@@ -99,6 +100,7 @@ def test_quick_cpu_tiny_passes_and_writes_json_and_table(tmp_path):
     assert all(c["status"] == "skipped" and c["reason"] for c in report["cases"][2:])
     assert report["drift"]["status"] == "ok" and report["drift"]["max_abs_drift"] == 0.0
     assert report["drift"]["tensors_pushed"] == 5 * report["drift"]["tensors_per_push"] > 0
+    assert report["agent"]["status"] == "skipped" and "CUDA" in report["agent"]["reason"]  # vLLM's agent check
     text = out.with_suffix(".txt").read_text()
     assert "3b/full/hf/1proc" in text and "3b/lora/hf/1proc" in text and "LoRA base drift" in text
     assert text.strip().splitlines()[-1].startswith("OK")
@@ -166,6 +168,8 @@ def test_quick_budget_skips_what_does_not_fit(monkeypatch, tmp_path):
     assert report["drift"]["status"] == "skipped" and "time budget" in report["drift"]["reason"]
     # planned GPU time of the quick check (module docstring): under 8 minutes with vLLM absent
     assert plan["startup"] + plan["build"] + plan["full"] + plan["lora"] + plan["drift"] <= gpu_check.QUICK_BUDGET_S
+    # with vLLM the agent check comes next and still fits the same budget
+    assert sum(plan[k] for k in ("startup", "build", "full", "lora", "drift", "agent")) <= gpu_check.QUICK_BUDGET_S
     assert gpu_check.QUICK_BUDGET_S < 8 * 60
 
 
@@ -305,3 +309,55 @@ def test_model_configs_are_the_published_ones(tmp_path):
     cfg7 = gpu_check.model_config("7b", tiny=False)
     assert cfg7["vocab_size"] == 152064 and cfg7["tie_word_embeddings"] is False
     assert cfg7["rope_scaling"]["mrope_section"] == [16, 24, 24]
+
+
+# -- the agent check's parts (gpu_check_agent.py), on the built-in sampler ---------------------------------------
+def test_agent_check_reaches_every_turn_and_measures_the_gap_per_turn(tiny_model_dir):
+    from vlmrl.data import make_task
+    from vlmrl.models import load_policy
+
+    policy = load_policy(tiny_model_dir)
+    policy.eos_token_ids = gpu_check_agent.end_tokens(policy)  # random weights end turns at these too
+    samples = make_task("zoom_shape", 2, "train", seed=0)
+    result = gpu_check_agent.agent_arm(policy, samples, None, [1, 2])
+    assert [t["turn"] for t in result["per_turn"]] == [0, 1, 2] and result["reached_turn"][2] > 0
+    assert result["images_per_trajectory"] > 1.5  # the demonstrated zoom comes back as an image every turn
+    assert all(t["tokens"] > 0 and t["gap_mean"] < 1e-3 for t in result["per_turn"])  # float32 on CPU
+    assert gpu_check_agent.agent_problems(result, 0.1) == []
+    far = {**result, "per_turn": [{**t, "gap_mean": 0.5} for t in result["per_turn"]][:2]}
+    problems = gpu_check_agent.agent_problems(far, 0.1)
+    assert any("turn 1: log-prob gap mean 0.5" in p for p in problems) and any("turn 2" in p for p in problems)
+
+
+def test_turn_gaps_by_hand():
+    from vlmrl.rollout.generate import Rollout
+
+    mask = torch.tensor([[1, 1, 0, 0, 1, 0], [1, 0, 1, 1, 1, 1]])
+    sampled = torch.tensor([[-1.0, -1.0, 0, 0, -2.0, 0], [-1.0, 0, -3.0, -3.0, -3.0, -3.0]])
+    trained = sampled + torch.tensor([[0.1, 0.3, 9, 9, 0.5, 9], [0.2, 9, 0.0, 0.4, 0.0, 0.0]])
+    r = Rollout(torch.arange(2), torch.zeros_like(mask), mask, sampled, torch.zeros(2, dtype=torch.bool), ["", ""])
+    turns = gpu_check_agent.turn_gaps(r, trained)
+    assert [(t["turn"], t["tokens"]) for t in turns] == [(0, 3), (1, 5)]
+    assert turns[0]["gap_mean"] == pytest.approx(0.2) and turns[1]["gap_max"] == pytest.approx(0.5)
+
+
+def test_image_push_case_passes_fresh_features_and_fails_stale_ones(tiny_model_dir, count_samples):
+    from vlmrl.models import load_policy
+    from vlmrl.rollout.generate import generate
+
+    def fresh(policy):
+        return lambda prompts, chunk, seed: generate(policy, prompts, 1, 8, 1.0, prompt_seeds=[seed])
+
+    policy = load_policy(tiny_model_dir)
+    ok = gpu_check_agent.image_push_case(policy, count_samples[0], fresh(policy), lambda: None, 0.1, 0.1)
+    assert ok["problems"] == [] and ok["move_mean"] > 0.1 and ok["gap_after_push_mean"] < 1e-3
+    # an engine that keeps the image's features from before the push answers the second call as it did the first
+    policy, kept = load_policy(tiny_model_dir), []
+
+    def stale(prompts, chunk, seed):
+        kept.append(kept[0] if kept else fresh(policy)(prompts, chunk, seed))
+        return kept[-1]
+
+    bad = gpu_check_agent.image_push_case(policy, count_samples[0], stale, lambda: None, 0.1, 0.1)
+    assert bad["gap_after_push_mean"] == pytest.approx(bad["move_mean"], rel=1e-3) and bad["move_mean"] > 0.1
+    assert len(bad["problems"]) == 1 and "after the push the engine's log-probs are" in bad["problems"][0]

@@ -143,6 +143,8 @@ class VLLMEngine:
     Everything vLLM-specific goes through `self.llm` (a `vllm.LLM`) and `vllm.SamplingParams`; a test replaces
     `vllm.LLM` only."""
 
+    _awake = 0  # open `awake()` blocks
+
     def __init__(self, model_dir: str | Path, options: dict[str, Any] | None = None, seed: int = 0,
                  device: str | None = None):
         try:
@@ -162,7 +164,6 @@ class VLLMEngine:
                        enable_sleep_mode=o["sleep"], distributed_executor_backend="external_launcher", seed=seed,
                        logprobs_mode="processed_logprobs", enable_prefix_caching=True)
         self.asleep = False
-        self._awake = 0  # open `awake()` blocks
         self.sleep()
 
     # -- phases -------------------------------------------------------------------------------------------------------
