@@ -16,7 +16,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from vlmrl.data import IMAGE_CACHE, DataError, LazyImages, build_dataset, check_sample, load_file
-from vlmrl.data.images import ImageCache
+from vlmrl.data.images import image_cache
 
 
 @pytest.fixture
@@ -150,22 +150,22 @@ def test_corrupt_image_bytes_in_parquet(tmp_path, decodes):
 
 
 def test_image_cache_is_bounded_by_count_and_bytes():
-    cache = ImageCache(max_bytes=10**9, max_items=3)
+    cache = image_cache(max_bytes=10**9, max_entries=3)
     for i in range(10):
-        cache.get(i, lambda: Image.new("RGB", (10, 10)))
-        cache.get(0, lambda: pytest.fail("0 is the most recently used: never evicted"))
-    assert len(cache) == 3 and cache.decodes == 10 and cache.hits == 10
-    small = ImageCache(max_bytes=3 * (100 * 100 * 3 + 1024), max_items=100)
+        cache.get_or_make(i, lambda: Image.new("RGB", (10, 10)))
+        cache.get_or_make(0, lambda: pytest.fail("0 is the most recently used: never evicted"))
+    assert len(cache) == 3 and cache.misses == 10 and cache.hits == 10
+    small = image_cache(max_bytes=3 * (100 * 100 * 3 + 1024), max_entries=100)
     for i in range(10):
-        small.get(i, lambda: Image.new("RGB", (100, 100)))
+        small.get_or_make(i, lambda: Image.new("RGB", (100, 100)))
     assert len(small) == 3 and small.bytes <= small.max_bytes
-    huge = ImageCache(max_bytes=1000)
-    assert huge.get("big", lambda: Image.new("RGB", (100, 100))).size == (100, 100) and len(huge) == 0
+    huge = image_cache(max_bytes=1000)
+    assert huge.get_or_make("big", lambda: Image.new("RGB", (100, 100))).size == (100, 100) and len(huge) == 0
 
 
 def test_a_pass_over_a_dataset_keeps_only_the_cache_s_images(tmp_path, decodes, monkeypatch):
     samples, _ = load_file(_dataset(tmp_path, 400))
-    monkeypatch.setattr(IMAGE_CACHE, "max_items", 16)
+    monkeypatch.setattr(IMAGE_CACHE, "max_entries", 16)
     alive = []
     for sample in samples:
         for image in sample["images"]:

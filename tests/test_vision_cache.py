@@ -107,7 +107,7 @@ def test_the_cache_is_bounded(frozen, count_samples):
     size = cache.bytes
     cache.max_bytes = 2 * size
     frozen.family.prompt_embeds(prompts(frozen, count_samples[:5]))
-    assert len(cache.entries) == 2 and cache.bytes == 2 * size
+    assert len(cache) == 2 and cache.bytes == 2 * size
 
 
 def test_lora_keeps_the_base_tower_frozen_so_its_features_are_kept(tiny_model_dir, count_samples):

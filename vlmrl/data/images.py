@@ -19,13 +19,12 @@ from __future__ import annotations
 
 import io
 import os
-import threading
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from PIL import Image, UnidentifiedImageError
 
+from vlmrl.cache import BoundedLRU
 from vlmrl.errors import DataError
 
 CHECKS: tuple[str, ...] = ("exists", "header", "decode")
@@ -35,42 +34,14 @@ _ENTRY_OVERHEAD = 1024  # bytes a cached PIL image costs beyond its pixels (obje
 Ref = str | bytes | Image.Image  # an absolute path, encoded image bytes, or an image already in memory (RGB)
 
 
-class ImageCache:
-    """A thread-safe LRU of decoded images, bounded by total pixel bytes and by entry count."""
+def _decoded_bytes(key: Any, image: Image.Image) -> int:
+    """What a decoded image holds: its pixels, plus the objects around them."""
+    return image.width * image.height * len(image.getbands()) + _ENTRY_OVERHEAD
 
-    def __init__(self, max_bytes: int, max_items: int = 4096):
-        self.max_bytes, self.max_items = max_bytes, max_items
-        self._items: OrderedDict[Any, tuple[Image.Image, int]] = OrderedDict()
-        self._lock = threading.Lock()
-        self.bytes = self.hits = self.decodes = 0
 
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def get(self, key: Any, decode: Callable[[], Image.Image]) -> Image.Image:
-        """The image cached under ``key``, else ``decode()``, cached (evicting the least recently used)."""
-        with self._lock:
-            found = self._items.get(key)
-            if found is not None:
-                self._items.move_to_end(key)
-                self.hits += 1
-                return found[0]
-        image = decode()  # outside the lock: two threads may decode one image, never wait on each other's
-        cost = image.width * image.height * len(image.getbands()) + _ENTRY_OVERHEAD
-        with self._lock:
-            self.decodes += 1
-            if key not in self._items:
-                self._items[key] = (image, cost)
-                self.bytes += cost
-            while self._items and (self.bytes > self.max_bytes or len(self._items) > self.max_items):
-                _, (_, freed) = self._items.popitem(last=False)
-                self.bytes -= freed
-        return image
-
-    def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
-            self.bytes = self.hits = self.decodes = 0
+def image_cache(max_bytes: int, max_entries: int = 4096) -> BoundedLRU[Any, Image.Image]:
+    """A thread-safe LRU of decoded images (vlmrl.cache), bounded by pixel bytes and by entry count."""
+    return BoundedLRU(max_bytes, max_entries, _decoded_bytes)
 
 
 def _cache_bytes(text: str) -> int:
@@ -83,7 +54,7 @@ def _cache_bytes(text: str) -> int:
     return int(megabytes * 2**20)
 
 
-IMAGE_CACHE = ImageCache(max_bytes=_cache_bytes(os.environ.get("VLMRL_IMAGE_CACHE_MB", "256")))
+IMAGE_CACHE = image_cache(_cache_bytes(os.environ.get("VLMRL_IMAGE_CACHE_MB", "256")))
 
 
 class LazyImages(Sequence):
@@ -156,7 +127,7 @@ def load_image(ref: Ref, where: str = "sample") -> Image.Image:
     if isinstance(ref, Image.Image):
         return ref
     key = ref if isinstance(ref, str) else ("bytes", ref)  # bytes hash once (CPython caches it on the object)
-    return IMAGE_CACHE.get(key, lambda: _decode_or_raise(ref, where))
+    return IMAGE_CACHE.get_or_make(key, lambda: _decode_or_raise(ref, where))
 
 
 def describe(ref: Ref) -> str:

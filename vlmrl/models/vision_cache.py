@@ -6,7 +6,7 @@ forward and every evaluation runs the vision tower on each of its images again. 
 features the first time they are computed and hands them back after that, exactly as the tower would compute them
 again (the tower processes images independently: a feature row depends on its own image only).
 
-An image's key is its processor-cache serial (`PromptBatch.image_keys`, vlmrl.models.families.processor.ImageCache):
+An image's key is its processor-cache serial (`PromptBatch.image_keys`, vlmrl.models.image_cache.ImageCache):
 a batch built without keys or with the processor cache off runs the tower as before. Within one call of a multi-turn
 batch (a `ConversationBatch`, which carries its prompt's image once per trajectory) the same key twice runs the tower
 once, whether the tower trains or not: the copies reuse its rows, and their gradients add up in them. Other batches
@@ -22,25 +22,24 @@ no extras; what depends on the prompt comes after, from `finish_features`), and 
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 
 import torch
 from torch import Tensor
 
+from vlmrl.cache import BoundedLRU
 from vlmrl.models.batch import ConversationBatch, PromptBatch
 
 
-class VisionFeatureCache:
-    """Image features by image key, least recently used evicted past `max_bytes` (0 = off)."""
+def _feature_bytes(key: int, features: Tensor) -> int:
+    return features.numel() * features.element_size()
 
-    def __init__(self, max_bytes: int = 256 * 2**20):
-        self.max_bytes, self.bytes = max_bytes, 0
-        self.entries: OrderedDict[int, Tensor] = OrderedDict()
+
+class VisionFeatureCache(BoundedLRU[int, Tensor]):
+    """Image features by image key, least recently used evicted past `max_bytes` (0 = off) or `max_entries`."""
+
+    def __init__(self, max_bytes: int = 256 * 2**20, max_entries: int = 65_536):
+        super().__init__(max_bytes, max_entries, _feature_bytes)
         self.weights: tuple | None = None  # the fingerprint of the weights the entries were computed with
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.bytes = 0
 
     def check_weights(self, params: list[Tensor]) -> None:
         """Start over unless `params` are the same tensors, unmodified, as when the entries were computed."""
@@ -49,24 +48,11 @@ class VisionFeatureCache:
             self.clear()
             self.weights = fingerprint
 
-    def get(self, key: int | None) -> Tensor | None:
-        entry = self.entries.get(key) if key is not None else None
-        if entry is not None:
-            self.entries.move_to_end(key)
-        return entry
+    def get(self, key: int | None, default: Tensor | None = None) -> Tensor | None:
+        return default if key is None else super().get(key, default)
 
-    def put(self, key: int | None, features: Tensor) -> None:
-        size = features.numel() * features.element_size()
-        if key is None or size > self.max_bytes:
-            return
-        old = self.entries.pop(key, None)
-        if old is not None:
-            self.bytes -= old.numel() * old.element_size()
-        self.entries[key] = features.detach()
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, dropped = self.entries.popitem(last=False)
-            self.bytes -= dropped.numel() * dropped.element_size()
+    def put(self, key: int | None, features: Tensor) -> bool:
+        return key is not None and super().put(key, features.detach())
 
 
 def frozen_vision_params(family) -> list[Tensor] | None:

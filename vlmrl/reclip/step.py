@@ -9,10 +9,12 @@ side through the batch part of the pool.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
 
+from vlmrl.cache import BoundedLRU
 from vlmrl.reclip.config import JudgeConfig, RLConfig
 from vlmrl.reclip.feedback import compress, feedback_reward
 from vlmrl.reclip.judge import Judge, View
@@ -40,12 +42,17 @@ class TextRef:
     negative: str | None = None
 
 
+def _judged_bytes(key: tuple, value: tuple[float, str]) -> int:
+    """A remembered judgement: the key's text, the feedback's and the objects around them."""
+    return len(repr(key)) + sys.getsizeof(value[1]) + 128
+
+
 class Scorer:
     """Judge -> self-compression -> reward, memoised, with counters for the step metrics (nothing silent)."""
 
     def __init__(self, judge: Judge, cfg: JudgeConfig):
         self.judge, self.cfg = judge, cfg
-        self.cache: dict[tuple, tuple[float, str]] = {}
+        self.cache: BoundedLRU[tuple, tuple[float, str]] = BoundedLRU(64 * 2**20, 262_144, _judged_bytes)
         self.counts: dict[str, float] = {}
         self.gallery: list[dict] = []
 
@@ -53,9 +60,10 @@ class Scorer:
         self.counts[name] = self.counts.get(name, 0) + n
 
     def __call__(self, key: tuple, query: View, retrieved: View, truth: View) -> float | None:
-        if key in self.cache:
+        hit = self.cache.get(key)
+        if hit is not None:
             self.count("judge/cache_hits")
-            return self.cache[key][0]
+            return hit[0]
         self.count("judge/calls")
         try:
             feedback = self.judge(query, retrieved, truth)
@@ -69,7 +77,7 @@ class Scorer:
         for reason in feedback.reasons:
             self.count(f"feedback/reasons/{reason.attribute}")
         reward = feedback_reward(feedback, self.cfg.verdict_weights, self.cfg.penalties, self.cfg.min_reward)
-        self.cache[key] = (reward, str(feedback))
+        self.cache.put(key, (reward, str(feedback)))
         if len(self.gallery) < 8:
             self.gallery.append({"query": query.text or "<image>", "truth": truth.text, "retrieved": retrieved.text,
                                  "feedback": str(feedback), "reward": reward})

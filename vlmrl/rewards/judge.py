@@ -39,6 +39,7 @@ import io
 import json
 import os
 import re
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vlmrl.cache import BoundedLRU
 from vlmrl.rewards.feedback import TEMPLATES, Feedback, fill_template, parse_feedback
 from vlmrl.rewards.judge_http import ChatEndpoint, DeadlinePassed, JudgeAuthError, JudgeError, JudgeRefused, Reply
 from vlmrl.rewards.registry import FatalRewardError
@@ -107,12 +109,17 @@ def encode_image(image: Any, max_bytes: int = 512_000) -> str:
     raise ValueError(f"could not encode an image under image_max_bytes={max_bytes}")
 
 
-class JudgeCache:
-    """Replies on disk, one JSON file per key under `folder` (written atomically), plus an in-memory copy."""
+def _reply_bytes(key: str, content: str) -> int:
+    return sys.getsizeof(key) + sys.getsizeof(content)
 
-    def __init__(self, folder: str | Path | None):
+
+class JudgeCache:
+    """Replies on disk, one JSON file per key under `folder` (written atomically), plus an in-memory copy of the
+    recent ones (a BoundedLRU of `memory_mb` MiB: a long run's replies would otherwise all stay in memory)."""
+
+    def __init__(self, folder: str | Path | None, memory_mb: float = 64):
         self.folder = Path(folder).expanduser() if folder else None
-        self._memory: dict[str, str] = {}
+        self._memory: BoundedLRU[str, str] = BoundedLRU(int(memory_mb * 2**20), 65_536, _reply_bytes)
 
     @staticmethod
     def key(model: str, messages: list[dict], settings: dict) -> str:
@@ -120,18 +127,19 @@ class JudgeCache:
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def get(self, key: str) -> str | None:
-        if key in self._memory or self.folder is None:
-            return self._memory.get(key)
+        text = self._memory.get(key)
+        if text is not None or self.folder is None:
+            return text
         path = self.folder / key[:2] / f"{key}.json"
         try:
             text = json.loads(path.read_text())["content"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        self._memory[key] = text
+        self._memory.put(key, text)
         return text
 
     def put(self, key: str, model: str, content: str) -> None:
-        self._memory[key] = content
+        self._memory.put(key, content)
         if self.folder is None:
             return
         path = self.folder / key[:2] / f"{key}.json"

@@ -20,15 +20,23 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
-from collections import OrderedDict
 from typing import Any
 
+from vlmrl.cache import BoundedLRU
 from vlmrl.rewards.registry import RewardFailure
 
 MAX_CHARS = 200  # longer answers are not parsed (0), which also bounds the parser's work
-_CACHE: OrderedDict[tuple[str, str, float], Any] = OrderedDict()
-_CACHE_SIZE = 4096
+
+
+def _verdict_bytes(key: tuple[str, str, float], verdict: Any) -> int:
+    """A remembered verdict: the two texts (a prediction may be long) and the result."""
+    return sys.getsizeof(key[0]) + sys.getsizeof(key[1]) + sys.getsizeof(str(verdict)) + 128
+
+
+# verdicts by (prediction, reference, tolerance), failures included, for the process's life
+_CACHE: BoundedLRU[tuple[str, str, float], Any] = BoundedLRU(16 * 2**20, 4096, _verdict_bytes)
 
 
 def _latex_config() -> Any:
@@ -101,8 +109,12 @@ def symbolic_equal_many(pairs: list[tuple[str, str]], timeout: float = 5.0, budg
     from vlmrl.rewards.safe import Job, get_pool
 
     keys = [(a, b, tolerance) for a, b in pairs]
-    todo = list(dict.fromkeys(k for k in keys if k not in _CACHE))
-    fresh: dict[tuple[str, str, float], bool | RewardFailure] = {}
+    known: dict[tuple[str, str, float], bool | RewardFailure] = {}  # read first: the new ones may evict them
+    for key in dict.fromkeys(keys):
+        verdict = _CACHE.get(key)
+        if verdict is not None:
+            known[key] = verdict
+    todo = [k for k in dict.fromkeys(keys) if k not in known]
     if todo:
         pool = get_pool("math", preload=("math_verify", "vlmrl.rewards.mathcheck:warm_up"))
         # start the workers (the imports take seconds) before the budget's clock: a pool that started inside
@@ -115,8 +127,6 @@ def symbolic_equal_many(pairs: list[tuple[str, str]], timeout: float = 5.0, budg
             else:
                 result = RewardFailure(f"math check of {key[0][:60]!r}: {outcome.error}")
             if outcome.ok or outcome.timed_out:  # a job the budget never started is not a result
-                _CACHE[key] = result
-            fresh[key] = result
-            if len(_CACHE) > _CACHE_SIZE:
-                _CACHE.popitem(last=False)
-    return [fresh[k] if k in fresh else _CACHE[k] for k in keys]
+                _CACHE.put(key, result)
+            known[key] = result
+    return [known[k] for k in keys]

@@ -1,5 +1,5 @@
 """The text side of a model family: `VLProcessor` turns samples (problem text and images) into a left-padded
-`PromptBatch`, and `ImageCache` keeps each image's processed tensors.
+`PromptBatch`, and `ImageCache` (vlmrl.models.image_cache) keeps each image's processed tensors.
 
 A family subclasses `VLProcessor` and overrides what differs: the chat template used when the tokenizer has none, the
 image marker the template writes and the placeholder span that replaces it (`placeholders`), the image tensors
@@ -10,12 +10,9 @@ forward see one preprocessing path. The model side is `VLFamily` (vlmrl.models.f
 
 from __future__ import annotations
 
-import itertools
 import json
 import sys
-import weakref
 from array import array
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,15 +22,22 @@ from torch import Tensor
 from vlmrl.cache import BoundedLRU
 from vlmrl.errors import ConfigError, DataError, PathError
 from vlmrl.models.batch import PromptBatch, PromptTooLongError
+from vlmrl.models.image_cache import ImageCache
 
 PROCESSOR_FILE = "vlmrl_processor.json"
 TOKEN_CACHE_BYTES = 32 * 2**20  # `VLProcessor.token_rows`: the quickstart's 1,024 remembered prompts take ~6 MB
-TOKEN_CACHE_ENTRIES = 1024
+TOKEN_CACHE_ENTRIES = 1024  # and `VLProcessor.prompt_texts`
+PROMPT_CACHE_BYTES = 16 * 2**20  # `VLProcessor.prompt_texts`: a rendered prompt per distinct question
 
 
 def _token_row_bytes(text: str, ids: array) -> int:
     """What one remembered tokenisation holds: the text object and its ids (8 bytes each in an array)."""
     return sys.getsizeof(text) + ids.itemsize * len(ids)
+
+
+def _prompt_text_bytes(key: tuple, text: str) -> int:
+    """A rendered prompt and its question (the system prompt and template in the key are shared, not copies)."""
+    return sys.getsizeof(key[0]) + sys.getsizeof(text)
 
 
 @dataclass
@@ -45,64 +49,6 @@ class ImageInputs:
     placeholders: list[str]  # the text that replaces each image's marker
     tokens: list[int]  # placeholder tokens (= feature vectors) of each image
     keys: list[int | None] = field(default_factory=list)  # see `ImageCache.serials`; None: not cached
-
-
-class ImageCache:
-    """Processed image tensors by image object, least recently used evicted past `max_bytes` (0 = off; 256 MiB by
-    default, `model.image_cache_mb` in a recipe: the quickstart's 300 SFT and 600 held-out scenes take 270 MB, its
-    4,000 RL prompts 1.2 GB more).
-
-    The SFT labels and the held-out set show the same images every few steps and every evaluation; preprocessing
-    (resize, normalise, patchify) took ~3 ms per image on CPU, about a tenth of an SFT step of the embedded model.
-    Entries are keyed by the image object and dropped when it is garbage-collected (a weak reference), so images
-    decoded on use from files are never served stale. Values are each image's slice of every vision tensor, its
-    placeholder text and its token count: exactly what `process_images` gives for that image alone, since every
-    family processes images independently and concatenates them along dim 0 (`ImageInputs.vision_rows`).
-
-    Each stored entry also gets a serial number, never reused (`serials`): an image's key for as long as its entry
-    lives, which lets the model side keep what it computes from the image (a frozen vision tower's features,
-    vlmrl.models.vision_cache) without holding or comparing the image itself."""
-
-    serials = itertools.count(1)  # shared by all caches, so two processors never hand out the same key
-
-    def __init__(self, max_bytes: int = 256 * 2**20):
-        self.max_bytes, self.bytes, self.hits, self.misses = max_bytes, 0, 0, 0
-        self.entries: OrderedDict[int, tuple] = OrderedDict()
-
-    def clear(self) -> None:
-        self.entries.clear()
-        self.bytes = 0
-
-    def get(self, image):
-        entry = self.entries.get(id(image))
-        if entry is None or entry[0]() is not image:
-            self.misses += 1
-            return None
-        self.entries.move_to_end(id(image))
-        self.hits += 1
-        return entry[1]
-
-    def put(self, image, value: tuple[dict[str, Tensor], str, int, int | None]) -> bool:
-        """Keep `value` (tensors, placeholder, tokens, serial) for `image`; False when it is not kept."""
-        size = sum(t.numel() * t.element_size() for t in value[0].values() if isinstance(t, Tensor))
-        if not self.max_bytes or size > self.max_bytes:
-            return False
-        key = id(image)
-        try:
-            ref = weakref.ref(image, lambda _, key=key: self._drop(key))
-        except TypeError:  # an image type without weak references: not cached
-            return False
-        self._drop(key)
-        self.entries[key] = (ref, value, size)
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            self._drop(next(iter(self.entries)))
-        return key in self.entries
-
-    def _drop(self, key: int) -> None:
-        entry = self.entries.pop(key, None)
-        if entry is not None:
-            self.bytes -= entry[2]
 
 
 def read_chat_template(path: str | Path) -> str | None:
@@ -177,7 +123,8 @@ class VLProcessor:
             raise ValueError(f"{type(self).__name__} needs the model config (config=...) for its placeholder counts")
         self.options = self.options_from_config(config) if config is not None else {}
         self.image_cache = ImageCache()
-        self.prompt_texts: dict[tuple, str] = {}  # see `prompt_text`
+        self.prompt_texts: BoundedLRU[tuple, str] = BoundedLRU(PROMPT_CACHE_BYTES, TOKEN_CACHE_ENTRIES,
+                                                               _prompt_text_bytes)  # see `prompt_text`
         self.token_rows: BoundedLRU[str, array] = BoundedLRU(TOKEN_CACHE_BYTES, TOKEN_CACHE_ENTRIES,
                                                              _token_row_bytes)  # see `tokenize`
         self._max_token_chars: int | None = None  # see `max_prompt_chars`
@@ -228,9 +175,7 @@ class VLProcessor:
         if text is None:
             content = [{"type": "image"}] * n_images + [{"type": "text", "text": problem}]
             text = self.chat_text([{"role": "user", "content": content}])
-            if len(self.prompt_texts) >= 1024:  # bounded: a dataset of many questions starts over
-                self.prompt_texts.clear()
-            self.prompt_texts[key] = text
+            self.prompt_texts.put(key, text)
         return text
 
     def chat_text(self, messages: list[dict]) -> str:
