@@ -30,7 +30,7 @@ def parse_benchmark(ref: str) -> tuple[Benchmark, str | None]:
 def load_benchmark(benchmark: Benchmark, data: str | None = None, split: str | None = None, n: int | None = None,
                    on_error: str = "raise") -> tuple[list[Sample], LoadReport]:
     """The benchmark's samples: from `data` (a folder saved by datasets, one split or a DatasetDict) if given, else
-    its hub dataset; `split` overrides the benchmark's; `n` keeps the first n rows' samples."""
+    its hub dataset; `split` overrides the benchmark's; `n` keeps the first n samples (reading stops there)."""
     spec: dict[str, Any] = {"hub": data or benchmark.hub, "split": split or benchmark.split, "on_error": on_error}
     if benchmark.config and not data:
         spec["config"] = benchmark.config
