@@ -125,3 +125,18 @@ def test_a_stuck_producer_stops_the_run_instead_of_hanging(tmp_path, monkeypatch
     with pytest.raises(TrainingError, match="producer_timeout=2 s: the producer has been generating step 1"):
         run(tmp_path, "stuck", "rollout.asynchronous=true", "rollout.producer_timeout=2")
     assert time.perf_counter() - t0 < 25
+
+
+def test_agents_train_on_asynchronous_rollouts(tmp_path):
+    """Multi-turn rollouts with tools run in the producer like single-turn ones: the agentic recipe trains on
+    answers one version old, the mismatch measured over its policy turns."""
+    from vlmrl.config import load_config
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes/agentic_zoom.yaml"
+    cfg = load_config(recipe, [*SMALL, f"trainer.output_dir={tmp_path / 'run'}", "trainer.steps=3", "sft.steps=4",
+                               "agent.turn_tokens=24", "algorithm.dynamic_sampling=false",
+                               "rollout.asynchronous=true", "rollout.max_staleness=1"])
+    train(cfg)
+    rows = train_rows(tmp_path / "run")
+    assert [r["async/staleness"] for r in rows] == [0.0, 1.0, 1.0]
+    assert all("agent/turns_per_episode" in r and "mismatch/k3" in r for r in rows)
