@@ -140,3 +140,16 @@ def test_registry_names_splits_and_unknowns():
         resolve_benchmark("mathvist")
     with pytest.raises(ConfigError, match="file 'nope.py' not found"):
         resolve_benchmark("nope.py:x")
+
+
+def test_docs_give_every_benchmark_and_seed_recipe():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    doc = (root / "docs/benchmarks.md").read_text()
+    for name in ("mathvista", "mathverse", "geometry3k", "superclevr", "refcoco", "refcoco+", "refcocog", "vstar"):
+        assert f"`{name}`" in doc and BENCHMARKS[name].hub.split("/")[0] in doc
+    for recipe in ("visual_rft_flower_4shot", "r1v_clevr_counting", "easyr1_geometry3k", "maye_geometry3k"):
+        assert f"recipes/{recipe}.yaml" in doc and (root / "recipes" / f"{recipe}.yaml").exists()
+        assert "UNTESTED ON A GPU" in (root / "recipes" / f"{recipe}.yaml").read_text()
+    assert "--benchmark" in (root / "README.md").read_text()
