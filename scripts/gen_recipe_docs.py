@@ -33,8 +33,8 @@ FOOTER = """## Data specs
   `num_digits` (for `digits_sum`).
 - `{path: data/train.jsonl, on_error: skip, image_root: ..., n: ...}`: a JSONL, JSON, parquet file or a `datasets`
   folder. Rows look like `{"image": "a.png", "problem": "...", "solution": "..."}`.
-- `{hub: AI4Math/MathVista, split: testmini, config: ..., columns: {image: decoded_image, problem: query, solution:
-  answer}, image_token: "<image>", n: ...}`: a dataset on the Hugging Face hub (through the `datasets` cache) or a
+- `{hub: hiyouga/geometry3k, split: train, config: ..., columns: {solution: answer}, image_token: "<image>", n: ...}`:
+  a dataset on the Hugging Face hub (through the `datasets` cache) or a
   folder saved by `datasets`, its columns mapped onto vlmrl's (single- or multi-image rows). Without internet an
   uncached name is refused at once, naming `vlmrl data fetch NAME --split SPLIT --out DIR` (docs/benchmarks.md).
 - a list of such specs, concatenated.

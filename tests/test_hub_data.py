@@ -40,6 +40,15 @@ def test_single_image_rows_with_a_column_mapping(tmp_path):
     assert first["id"].endswith("mathvista[testmini]:0") and first["task"] == "mathvista"
 
 
+def test_a_datasets_own_answer_type_in_another_vocabulary_is_named(tmp_path):
+    folder = hub_fixtures.mathvista(tmp_path)
+    spec = {"hub": str(folder), "split": "testmini", "columns": {"image": "decoded_image", "problem": "query",
+                                                                  "solution": "answer"}}
+    with pytest.raises(DataError, match=r"mathvista\[testmini\] row 1: the dataset's own 'answer_type' \('integer'\) "
+                                        r"is not one of vlmrl's.*columns: \{source_answer_type: answer_type\}"):
+        build_dataset(spec, "test", 0)
+
+
 def test_multi_image_rows_and_the_image_marker(tmp_path):
     folder = hub_fixtures.geometry3k(tmp_path)
     samples, _ = build_dataset({"hub": str(folder), "split": "test", "columns": {"solution": "answer"},

@@ -3,16 +3,19 @@
 A recipe names the dataset, its split and how its columns map to vlmrl's::
 
     train:
-      hub: laolao77/ViRFT_CLS_flower_4_shot   # a hub name, or a folder written by save_to_disk
+      hub: hiyouga/geometry3k             # a hub name, or a folder written by save_to_disk
       split: train
-      columns: {problem: question, solution: answer, images: decoded_image}   # vlmrl name: the dataset's column
+      columns: {solution: answer}         # vlmrl name: the dataset's column
+      image_token: "<image>"
 
 ``image_token`` names the marker a dataset writes for an image inside its text (``<image>`` in Geometry3K and MAYE's
-data); it is removed from ``problem``, since vlmrl's chat template places the images. ``columns`` renames; the targets are vlmrl's fields (``image``/``images``, ``problem``, ``solution``,
-``answer_type``, ``options``, ``id``, ``task``, or any other name, which passes through to rewards as a column). A
-dataset column that a mapping replaces is dropped (MathVista's ``image`` path when ``image: decoded_image``). Rows
-then load exactly as user files do (``vlmrl.data.files``): single- or multi-image, images decoded when used, every
-bad row an error naming the dataset, split and row (or skipped and counted with ``on_error: skip``).
+data); it is removed from ``problem``, since vlmrl's chat template places the images. ``columns`` renames; the
+targets are vlmrl's fields (``image``/``images``, ``problem``, ``solution``, ``answer_type``, ``options``, ``id``,
+``task``, or any other name, which passes through to rewards as a column). A dataset column that a mapping replaces
+is dropped (MathVista's ``image`` path when ``image: decoded_image``); a dataset's own ``answer_type`` column in
+another vocabulary (MathVista's "integer") is an error until the mapping moves it aside. Rows then load exactly as
+user files do (``vlmrl.data.files``): single- or multi-image, images decoded when used, every bad row an error
+naming the dataset, split and row (or skipped and counted with ``on_error: skip``).
 
 Offline-aware: a hub name loads through ``datasets.load_dataset`` (its cache: ``HF_DATASETS_CACHE``). When the hub
 cannot be reached (no network, or ``HF_HUB_OFFLINE=1``) a cached dataset loads from the cache with the hub switched
@@ -34,7 +37,7 @@ from urllib.parse import urlparse
 
 from .files import ON_ERROR, RowError, collect_rows, dataset_rows, import_datasets, quietly
 from .images import CHECKS
-from .sample import DataError, LoadReport, Sample
+from .sample import ANSWER_TYPES, DataError, LoadReport, Sample
 
 HUB_SPEC_KEYS: tuple[str, ...] = ("hub", "split", "config", "revision", "columns", "image_token", "n", "on_error",
                                   "check_images", "image_root")
@@ -201,9 +204,12 @@ def load_hub(spec: Mapping[str, Any], where: str = "data spec", default_on_error
         row = rename(row) if rename else row
         if marker and isinstance(row.get("problem"), str):
             row = {**row, "problem": row["problem"].replace(marker, "").strip()}
+        if transform is None and row.get("answer_type") not in (None, *ANSWER_TYPES):
+            raise RowError(f"the dataset's own 'answer_type' ({row['answer_type']!r}) is not one of vlmrl's "
+                           f"{list(ANSWER_TYPES)}; move it aside with columns: {{source_answer_type: answer_type}}")
         return transform(row) if transform else row
 
-    rows = dataset_rows(dataset, label, row_of if (rename or transform or marker) else None)
+    rows = dataset_rows(dataset, label, row_of)
     base = Path(spec.get("image_root") or (name if is_local(str(name)) else ".")).expanduser().absolute()
     stem = str(name).rstrip("/").split("/")[-1]
     try:

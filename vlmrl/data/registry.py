@@ -4,7 +4,7 @@ A spec is what a YAML recipe holds under a split, for example::
 
     train: {task: shapes_count, n: 300, target: shape}
     test:  {path: data/test.jsonl, on_error: skip, n: 500}    # reads the first 500 good rows only
-    eval:  {hub: AI4Math/MathVista, split: testmini, columns: {image: decoded_image, problem: query, solution: answer}}
+    eval:  {hub: jigsaw-r1/super_clevr, split: test, columns: {problem: question, solution: ground_truth}}
     # or a list of such specs, concatenated in order
 
 Adding a task is a generator function ``(n, split, seed, **options) -> list[Sample]`` and one ``Task`` entry below.
