@@ -103,6 +103,8 @@ def test_a_missing_benchmark_dataset_is_refused_before_the_model_loads(tiny_mode
     monkeypatch.setattr(vlmrl.models, "load_policy", no_model)
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))  # empty
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # unreachable
+    for key in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
     start = time.monotonic()
     assert main(["eval", str(tiny_model_dir), "--benchmark", "mathvista"]) == 2
     assert time.monotonic() - start < 20

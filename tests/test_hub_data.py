@@ -12,6 +12,7 @@ from vlmrl.data import DataError, LazyImages, build_dataset, check_sample
 from vlmrl.data import hub as hub_module
 
 datasets = pytest.importorskip("datasets")
+PROXIES = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 @pytest.fixture
@@ -19,7 +20,7 @@ def offline(tmp_path, monkeypatch):
     """An empty datasets cache and a hub endpoint where nothing listens."""
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
-    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", *PROXIES):
         monkeypatch.delenv(key, raising=False)
 
 
@@ -98,6 +99,9 @@ def test_uncached_hub_dataset_offline_is_refused_at_once_with_the_fetch_command(
 
 
 def test_offline_mode_set_in_the_environment_is_honoured(offline, monkeypatch):
+    assert hub_module.offline_reason().startswith("http://127.0.0.1:9 is unreachable")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")  # behind a proxy a direct connection proves nothing
+    assert hub_module.offline_reason() is None
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert hub_module.offline_reason() == "HF_HUB_OFFLINE=1 is set"
 

@@ -53,6 +53,8 @@ def test_seed_recipe_runs_two_steps_on_a_schema_fixture(recipe, tmp_path):
 def test_recipe_naming_an_uncached_hub_dataset_offline_is_refused_in_seconds(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))  # an empty cache
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens there: the hub is unreachable
+    for key in ("HF_HUB_OFFLINE", "HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(key, raising=False)
     run = tmp_path / "run"
     start = time.monotonic()
     code = main(["train", str(RECIPES / "r1v_clevr_counting.yaml"), *TINY, f"trainer.output_dir={run}"])

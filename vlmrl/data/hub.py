@@ -30,6 +30,7 @@ import glob
 import os
 import re
 import socket
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -67,13 +68,25 @@ def offline_reason() -> str | None:
         if os.environ.get(key, "").upper() in _TRUE:
             return f"{key}={os.environ[key]} is set"
     endpoint = os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None  # the hub is reached through a proxy: a direct connection says nothing; datasets will try
     url = urlparse(endpoint)
     host, port = url.hostname or "huggingface.co", url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((host, port), timeout=REACH_TIMEOUT).close()
-    except OSError as error:
-        return f"{endpoint} is unreachable ({error.__class__.__name__}: {error})"
-    return None
+    outcome: list[str | None] = []
+
+    def connect() -> None:  # in a thread: a name lookup has no timeout of its own
+        try:
+            socket.create_connection((host, port), timeout=REACH_TIMEOUT).close()
+            outcome.append(None)
+        except OSError as error:
+            outcome.append(f"{error.__class__.__name__}: {error}")
+
+    worker = threading.Thread(target=connect, daemon=True)
+    worker.start()
+    worker.join(REACH_TIMEOUT + 1.0)
+    if not outcome:
+        return f"{endpoint} did not answer within {REACH_TIMEOUT + 1.0:.0f} s"
+    return None if outcome[0] is None else f"{endpoint} is unreachable ({outcome[0]})"
 
 
 def cache_dir() -> str:
