@@ -47,7 +47,7 @@ def eval_benchmark(args: Any, cfg: Any, model: Any) -> int:
         progress.start(f"{benchmark.name} T={temperature}", len(samples))
         res = run_benchmark(policy, benchmark, samples, temperature=temperature, n=args.samples,
                             ks=args.k or cfg.eval.pass_k, max_new_tokens=budget, batch_size=cfg.eval.batch_size,
-                            seed=cfg.trainer.seed, max_prompt_length=cfg.data.max_prompt_length, agent=agent,
+                            seed=cfg.trainer.seed, max_prompt_length=None, agent=agent,  # no cap: the protocol's prompt
                             progress=progress.advance)
         progress.end()
         label = f"T={temperature}"
