@@ -126,3 +126,18 @@ def test_a_benchmark_row_in_the_wrong_schema_names_its_row(tmp_path):
     with pytest.raises(Exception, match=r"has no column 'text', 'category', 'question_id', 'label' \(its columns: "
                                         r"\['image', 'question'"):
         load_benchmark(BENCHMARKS["vstar"], str(tmp_path / "bad"))
+
+
+@pytest.mark.parametrize("max_pixels", [None, 50176])
+def test_qwen25_input_size_is_the_processors_resize(tiny_model_dir, max_pixels):
+    """Qwen2.5-VL boxes are in pixels of the image as the processor resized it: `input_size` must be that size."""
+    from PIL import Image
+
+    from vlmrl.eval.benchmarks.refcoco import input_size
+    from vlmrl.models import load_policy
+
+    policy = load_policy(tiny_model_dir, "float32", "cpu", None, max_pixels)
+    patch = policy.processor.image_processor.patch_size
+    for width, height in ((640, 480), (64, 48), (300, 1000)):
+        grid = policy.processor.process_images([Image.new("RGB", (width, height))]).vision["image_grid_thw"][0]
+        assert input_size(policy, width, height) == (int(grid[2]) * patch, int(grid[1]) * patch)
