@@ -1,14 +1,17 @@
 """One TRL `GRPOTrainer` run from a vlmrl checkpoint, matched to vlmrl's quickstart RL phase (a worker of
 benchmarks/trl_side_by_side.py; run it through that script).
 
-    python benchmarks/trl_grpo_worker.py --checkpoint RUN/checkpoint-0 --steps 300 --threads 1 --seed 0 --out DIR
+    python benchmarks/trl_grpo_worker.py --checkpoint RUN/checkpoint-0 --steps 300 --threads 1 --seed 0 --out DIR \
+        [--set KEY=VALUE ...]
 
 What is matched to `vlmrl train model.name_or_path=CKPT sft.steps=0 ...` (the checkpoint's config.yaml): the RL
 prompts (data.train), the prompt text (data.prompt_template inside the same Qwen chat scaffold), prompts per step,
 G, max new tokens, temperature / top-p / top-k, the reward (vlmrl's strict `accuracy`, with truncation taken from
 the completion ids), GRPO advantages with the group std, the clipped token-level loss averaged over all tokens of the
 batch ("token-mean" = TRL's "dapo"), beta, learning rate (constant, no warmup), weight decay, gradient clipping, one
-update per generation, float32, no gradient checkpointing, the number of steps and the torch thread count.
+update per generation, float32, no gradient checkpointing, the number of steps and the torch thread count. What
+TRL lacks (dynamic sampling, a curriculum, rewards besides accuracy: `unmatched`) is refused; the side-by-side turns
+it off in vlmrl too, with the same `--set` overrides on both sides.
 
 Writes DIR/result.json (per-step seconds, rewards, vision-tower image counts) and DIR/final (a `save_pretrained`
 folder with the vlmrl processor files and config.yaml, so `vlmrl eval DIR/final` evaluates it like a vlmrl run).
@@ -21,6 +24,23 @@ import json
 import shutil
 import time
 from pathlib import Path
+
+
+def unmatched(cfg) -> list[str]:
+    """What the vlmrl recipe `cfg` does that TRL's GRPOTrainer cannot (an empty list: the two can be matched)."""
+    a, t = cfg.algorithm, cfg.trainer
+    lacking = []
+    if (a.advantage, a.policy_loss, a.loss_aggregation, a.kl_estimator) != ("grpo", "ppo_clip", "token-mean", "k3"):
+        lacking.append("an algorithm other than GRPO + ppo_clip + token-mean (+ k3 KL)")
+    if t.ppo_epochs * t.minibatches != 1 or t.lr_schedule != "constant":
+        lacking.append("more than one update per generation, or a non-constant lr")
+    if a.dynamic_sampling:
+        lacking.append("algorithm.dynamic_sampling")
+    if cfg.curriculum.filter_solved or cfg.curriculum.filter_unsolved or cfg.curriculum.order != "random":
+        lacking.append("curriculum (filter_solved / filter_unsolved / order)")
+    if [(w.name, w.weight) for w in cfg.rewards] != [("accuracy", 1.0)]:
+        lacking.append(f"rewards other than accuracy alone ({[w.name for w in cfg.rewards]})")
+    return lacking
 
 
 def make_processor(checkpoint: Path):
@@ -98,6 +118,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", required=True)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="overrides on the checkpoint's config.yaml, the ones the vlmrl side runs with")
     args = p.parse_args()
 
     import torch
@@ -111,12 +133,12 @@ def main() -> None:
 
     ckpt, out = Path(args.checkpoint), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = load_config(ckpt / "config.yaml", [])
+    cfg = load_config(ckpt / "config.yaml", args.set)
     r, a, t = cfg.rollout, cfg.algorithm, cfg.trainer
-    if (a.advantage, a.policy_loss, a.loss_aggregation, a.kl_estimator) != ("grpo", "ppo_clip", "token-mean", "k3") \
-            or t.ppo_epochs * t.minibatches != 1 or t.lr_schedule != "constant" or a.dynamic_sampling:
-        raise SystemExit(f"{ckpt}/config.yaml: the TRL side is matched only to GRPO + ppo_clip + token-mean, one "
-                         "update per generation, constant lr; run the benchmark with those settings")
+    lacking = unmatched(cfg)
+    if lacking:
+        raise SystemExit(f"{ckpt}/config.yaml with {args.set}: TRL's GRPOTrainer has no match for {'; '.join(lacking)}"
+                         "; turn these off on both sides (trl_side_by_side.py's MATCHED overrides do)")
     model = Qwen2VLForConditionalGeneration.from_pretrained(ckpt, dtype=torch.float32)
     processor = make_processor(ckpt)
     eos_ids = {processor.tokenizer.convert_tokens_to_ids("<|im_end|>"), processor.tokenizer.eos_token_id}

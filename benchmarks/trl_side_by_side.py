@@ -1,25 +1,31 @@
 """vlmrl vs TRL's GRPOTrainer, side by side in one run: same tiny Qwen2-VL start, data, reward and hyper-parameters.
 
     pip install -e '.[bench]'
-    python benchmarks/trl_side_by_side.py --steps 300 --repeats 2 --threads 1 [--quickstart-memory]
+    python benchmarks/trl_side_by_side.py --steps 100 --repeats 2 --threads 1 [--image-cache-mb 256]
+    python benchmarks/trl_side_by_side.py --smoke      # ~1 min: every stage on a very small model (the test's mode)
 
 1. SFT start: `vlmrl train trainer.steps=0` (the quickstart's SFT warm-start) gives RUN/checkpoint-0.
 2. RL from that checkpoint, `--repeats` times each, alternating vlmrl, TRL, TRL, vlmrl, ... (ABBA, so drift in a
-   shared machine's load cancels), repeat r with seed r:
-   - vlmrl: `vlmrl train model.name_or_path=START sft.steps=0 trainer.steps=N trainer.threads=T trainer.seed=r`
-     (the quickstart recipe: 16 prompts x G=8, max_new_tokens 12, temperature 1, lr 3e-4 constant, beta 0, strict
-     accuracy reward, GRPO + clipped token-mean loss);
-   - TRL: benchmarks/trl_grpo_worker.py, a `GRPOTrainer` with the same settings read from START/config.yaml.
+   shared machine's load cancels), repeat r with seed r, both sides on the quickstart recipe less what TRL's
+   GRPOTrainer lacks (`MATCHED`: no dynamic sampling, no solved-prompt filter, the accuracy reward alone; 16
+   prompts x G=8, max_new_tokens 12, temperature 1, lr 3e-4 constant, beta 0, clip 0.2/0.28, truncated answers
+   masked, GRPO + clipped token-mean loss):
+   - vlmrl: `vlmrl train model.name_or_path=START sft.steps=0 trainer.steps=N trainer.threads=T trainer.seed=r
+     MATCHED... model.image_cache_mb=M`;
+   - TRL: benchmarks/trl_grpo_worker.py, a `GRPOTrainer` with the settings of START/config.yaml plus the same
+     overrides (it refuses any setting it cannot match).
    Each run is its own process (peak resident memory from `wait4`, OMP_NUM_THREADS=T).
 3. Held-out accuracy after the same number of steps: `vlmrl eval CKPT --temperatures 0 1` on every final model and
-   on the start (same 300 held-out scenes, same decoding, same evaluator).
+   on the start (the same held-out scenes, decoding and evaluator).
 
 Throughput = rollouts (prompts x G x steps) / seconds inside the RL steps (generation, reward, update; not model
-loading, data loading or evaluation), timed from outside the same way for both: vlmrl's `rl_step` call (wrapped in
-the worker process), TRL's `on_step_begin` -> `on_step_end` callback. A forward hook on the vision tower counts the
-images it encodes per step, in the rollout and in the rest of the step. CPU seconds of the same steps are measured too (`time.process_time`): on a shared
-machine they are less disturbed by other jobs than wall time. Prints a markdown table for BENCHMARKS.md and writes
-the raw numbers to benchmarks/results/trl_side_by_side.json.
+loading, data loading or evaluation), timed from outside the same way for both: vlmrl's `RLJob.step` (wrapped in the
+worker process), TRL's `on_step_begin` -> `on_step_end` callback. A forward hook on the vision tower counts the
+images it encodes per step, in the rollout and in the rest of the step. CPU seconds of the same steps are measured
+too (`time.process_time`): on a shared machine they are less disturbed by other jobs than wall time. Memory: vlmrl
+keeps processed images (model.image_cache_mb, 256 MB by default; the quickstart's 1600 holds all 4,000 scenes and
+made vlmrl's peak exceed TRL's, which processes every image anew), so `--image-cache-mb` is part of the comparison.
+Prints a markdown table for BENCHMARKS.md and writes the raw numbers to benchmarks/results/trl_side_by_side.json.
 """
 
 from __future__ import annotations
@@ -36,6 +42,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks/results"
+# what TRL's GRPOTrainer lacks, turned off in vlmrl (trl_grpo_worker.unmatched refuses a recipe that keeps any):
+# DAPO's dynamic sampling, the curriculum's solved-prompt filter and the soft overlong (length) reward; the rest of
+# the quickstart's RL (clip-higher 0.2/0.28, truncated answers masked, token-mean, beta 0) both sides have
+MATCHED = ["algorithm.dynamic_sampling=false", "curriculum.filter_solved=false",
+           "rewards=[{name: accuracy, weight: 1.0}]"]
+# --smoke: seconds, not minutes: a very small model, data and batch; every stage of the benchmark still runs
+SMOKE = ["model.tiny.hidden_size=32", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
+         "model.tiny.intermediate_size=64", "model.tiny.vision_dim=32", "model.tiny.vision_heads=2",
+         "model.tiny.vocab_size=400", "data.train.n=32", "data.sft.n=8", "data.eval.n=8", "sft.steps=2",
+         "sft.batch_size=4", "rollout.prompts_per_step=2", "rollout.group_size=2"]
 
 
 def run_measured(cmd: list[str], log: Path, threads: int) -> dict:
@@ -55,58 +71,74 @@ def run_measured(cmd: list[str], log: Path, threads: int) -> dict:
 
 
 def vlmrl_worker(argv: list[str]) -> None:
-    """`vlmrl train ARGV`, with each RL step timed from outside (wall and CPU seconds of the `rl_step` call) and the
-    images that really enter the vision tower counted by a forward hook, split into the rollout (stage I) and the
-    rest of the step. Nothing in vlmrl changes: functions are wrapped in this process. Writes RUN_DIR/steps.json."""
-    import vlmrl.trainer.rl as rl
-    import vlmrl.trainer.run as run
+    """`vlmrl train ARGV`, with each RL step timed from outside (wall and CPU seconds of `RLJob.step`, the trainer's
+    one step: generation, reward, update) and the images that really enter the vision tower counted by a forward
+    hook, split into the rollout (inside `policy.sampling()`, stage I) and the rest of the step. Nothing in vlmrl
+    changes: the class's method and the policy's are wrapped in this process. Writes RUN_DIR/steps.json."""
+    import contextlib
+
     from vlmrl.cli import main
+    from vlmrl.trainer.job import RLJob
 
     steps: list[dict] = []
     images = {"rollout": 0, "update": 0}
     phase: dict = {"now": None}
+    hooked: set[int] = set()
 
     def pre_hook(_module, args, kwargs):
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
         if phase["now"] is not None and grid is not None:
             images[phase["now"]] += int(grid.shape[0])
 
-    def build_policy(*args, **kwargs):
-        policy = build(*args, **kwargs)
+    def hook(policy) -> None:
+        if id(policy) in hooked:
+            return
+        hooked.add(id(policy))
         policy.model.model.visual.register_forward_pre_hook(pre_hook, with_kwargs=True)
-        return policy
+        sampling = policy.sampling
 
-    def collect_counted(*args, **kwargs):
-        phase["now"] = "rollout"
-        try:
-            return collect(*args, **kwargs)
-        finally:
-            phase["now"] = "update"
+        @contextlib.contextmanager
+        def sampling_counted(*args, **kwargs):
+            phase["now"] = "rollout"
+            try:
+                with sampling(*args, **kwargs) as value:
+                    yield value
+            finally:
+                phase["now"] = "update"
 
-    def timed_step(*args, **kwargs):
+        policy.sampling = sampling_counted
+
+    def timed_step(self, *args, **kwargs):
+        hook(self.ctx.policy)
         before = dict(images)
         phase["now"] = "update"
         t0, c0 = time.perf_counter(), time.process_time()
-        out = step(*args, **kwargs)
+        out = step(self, *args, **kwargs)
         steps.append({"seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
                       **{f"vision_images_{k}": images[k] - before[k] for k in images}})
         phase["now"] = None
         return out
 
-    build, collect, step = run.build_policy, rl.collect, run.rl_step
-    run.build_policy, rl.collect, run.rl_step = build_policy, collect_counted, timed_step
+    step = RLJob.step
+    RLJob.step = timed_step
     code = main(["train", *argv])
     out_dir = next(a.split("=", 1)[1] for a in argv if a.startswith("trainer.output_dir="))
     Path(out_dir, "steps.json").write_text(json.dumps(steps))
     sys.exit(code)
 
 
-def run_vlmrl(start: Path, steps: int, threads: int, seed: int, out: Path) -> dict:
+def matched(image_cache_mb: float) -> list[str]:
+    """The overrides both sides run with: the quickstart recipe less what TRL's GRPOTrainer lacks (dynamic sampling,
+    the solved-prompt filter, the soft overlong reward), and vlmrl's processed-image cache at `image_cache_mb`."""
+    return [*MATCHED, f"model.image_cache_mb={image_cache_mb:g}"]
+
+
+def run_vlmrl(start: Path, steps: int, threads: int, seed: int, out: Path, overrides: list[str]) -> dict:
     run_dir = out / f"vlmrl-seed{seed}"
     if run_dir.exists():  # left by a killed run: `vlmrl train` would otherwise write to a numbered sibling
         shutil.rmtree(run_dir)
     argv = [f"model.name_or_path={start}", "sft.steps=0", f"trainer.steps={steps}", f"trainer.threads={threads}",
-            f"trainer.seed={seed}", "trainer.eval_every=0", f"trainer.output_dir={run_dir}"]
+            f"trainer.seed={seed}", "trainer.eval_every=0", f"trainer.output_dir={run_dir}", *overrides]
     proc = run_measured([sys.executable, __file__, "_vlmrl_worker", *argv], out / f"vlmrl-seed{seed}.log", threads)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in rows if r["phase"] == "train"]
@@ -125,10 +157,10 @@ def run_vlmrl(start: Path, steps: int, threads: int, seed: int, out: Path) -> di
             "train_accuracy_last50": statistics.mean(r["accuracy"] for r in train[-50:])}
 
 
-def run_trl(start: Path, steps: int, threads: int, seed: int, out: Path) -> dict:
+def run_trl(start: Path, steps: int, threads: int, seed: int, out: Path, overrides: list[str]) -> dict:
     run_dir = out / f"trl-seed{seed}"
     cmd = [sys.executable, str(ROOT / "benchmarks/trl_grpo_worker.py"), "--checkpoint", str(start), "--steps",
-           str(steps), "--threads", str(threads), "--seed", str(seed), "--out", str(run_dir)]
+           str(steps), "--threads", str(threads), "--seed", str(seed), "--out", str(run_dir), "--set", *overrides]
     proc = run_measured(cmd, out / f"trl-seed{seed}.log", threads)
     res = json.loads((run_dir / "result.json").read_text())
     s = res["steps"]
@@ -184,8 +216,8 @@ def table(runs: list[dict], start_eval: dict, args) -> str:
     rpc = {s: total(s, "rollouts") / total(s, "step_cpu_seconds") for s in by}
     per_rep = [v["rollouts_per_second"] / t["rollouts_per_second"] for v, t in zip(by["vlmrl"], by["trl"], strict=True)]
     lines = [
-        f"| {args.steps} RL steps x {args.repeats} seeds, {args.threads} thread(s) | vlmrl | TRL GRPOTrainer | "
-        "vlmrl / TRL |",
+        f"| {args.steps} RL steps x {args.repeats} seeds, {args.threads} thread(s), vlmrl's image cache "
+        f"{args.image_cache_mb:g} MB | vlmrl | TRL GRPOTrainer | vlmrl / TRL |",
         "|---|---|---|---|",
         f"| rollouts / s (wall, RL steps only) | {rps['vlmrl']:.1f} | {rps['trl']:.1f} | **{rps['vlmrl'] / rps['trl']:.2f}x**"
         f" (per seed: {', '.join(f'{x:.2f}' for x in per_rep)}) |",
@@ -224,9 +256,17 @@ def main() -> None:
                    help="also run the full quickstart (`vlmrl train`) and record its peak resident memory")
     p.add_argument("--resume", action="store_true",
                    help="--out already holds some finished runs (e.g. after the job was killed): keep them")
+    p.add_argument("--image-cache-mb", type=float, default=256,
+                   help="vlmrl's model.image_cache_mb (the library default; the quickstart's 1600 keeps all 4,000 "
+                        "processed scenes, which TRL never holds)")
+    p.add_argument("--smoke", action="store_true",
+                   help="the smallest mode (tests/test_benchmarks.py): a very small model and batch, 2 steps, 1 seed")
     p.add_argument("--out", default=f"/tmp/vlmrl-bench/trl-{time.strftime('%Y%m%d-%H%M%S')}")
     p.add_argument("--results", default=str(RESULTS / "trl_side_by_side.json"))
     args = p.parse_args()
+    if args.smoke:
+        args.steps, args.repeats, args.quickstart_memory = 2, 1, False
+    overrides = matched(args.image_cache_mb) + (SMOKE if args.smoke else [])
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
         raise SystemExit(f"--out {out} is not empty; give a new folder, or --resume to keep its finished runs")
@@ -235,7 +275,7 @@ def main() -> None:
     import transformers
     import trl
 
-    report: dict = {"args": vars(args), "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+    report: dict = {"args": vars(args), "overrides": overrides, "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                                                       "trl": trl.__version__, "python": sys.version.split()[0]},
                     "cpus": os.cpu_count(), "load_average_start": os.getloadavg(), "git": git_state()}
     if args.start:
@@ -246,8 +286,8 @@ def main() -> None:
     else:
         print("SFT start ...", flush=True)
         report["sft"] = run_measured([sys.executable, "-m", "vlmrl", "train", "trainer.steps=0",
-                                      f"trainer.threads={args.threads}", f"trainer.output_dir={out / 'sft'}"],
-                                     out / "sft.log", args.threads)
+                                      f"trainer.threads={args.threads}", f"trainer.output_dir={out / 'sft'}",
+                                      *(SMOKE if args.smoke else [])], out / "sft.log", args.threads)
         (out / "sft.json").write_text(json.dumps(report["sft"]))
         start = out / "sft/checkpoint-0"
     runs = []
@@ -260,7 +300,7 @@ def main() -> None:
                 res = json.loads(done.read_text())
                 print("  (finished earlier in this --out, not re-run)")
             else:
-                res = fn(start, args.steps, args.threads, r, out)
+                res = fn(start, args.steps, args.threads, r, out, overrides)
                 done.write_text(json.dumps(res, indent=1))
             print(f"  {res['rollouts_per_second']:.1f} rollouts/s, {res['rollouts_per_cpu_second']:.1f} per CPU-s, "
                   f"peak {res['peak_rss_mb']:.0f} MB", flush=True)
