@@ -519,6 +519,8 @@ def summarize(rows: list[dict]) -> dict:
     return {"train_steps": len(train), "tokens_per_second_per_gpu": _mean(_numbers(later, "tokens_per_second")),
             "step_time_s": _mean(step), "rollouts_per_second": _mean(_numbers(later, "rollouts_per_second")),
             "peak_gpu_gb": max(peaks) if peaks else None, "logprob_gap_mean": gap_mean, "logprob_gap_max": gap_max,
+            # the sampler–trainer KL (vlmrl.algorithms.correction): kernels and precision, and vLLM's own on GPUs
+            "mismatch_k3": _mean(_numbers(train, "mismatch/k3")),
             "clip_fraction": _mean(_numbers(train, "clip_fraction")),
             "reward_mean": _mean(_numbers(train, "reward/total/mean")), "grad_norm": _mean(_numbers(train, "grad_norm")),
             "loss": _mean(_numbers(train, "loss"))}
@@ -618,13 +620,14 @@ def _fmt(x, spec: str) -> str:
 
 def table(report: dict) -> str:
     head = f"{'case':28s} {'status':8s} {'tok/s/GPU':>10s} {'step s':>8s} {'peak GB':>8s} {'gap mean':>9s} " \
-           f"{'gap max':>8s} {'clip':>6s} {'wall s':>7s}  note"
+           f"{'gap max':>8s} {'k3 KL':>8s} {'clip':>6s} {'wall s':>7s}  note"
     lines = [head, "-" * len(head)]
     for c in report["cases"]:
         note = c.get("reason") or c.get("error") or ""
         lines.append(f"{c['name']:28s} {c['status']:8s} {_fmt(c.get('tokens_per_second_per_gpu'), '10.1f')} "
                      f"{_fmt(c.get('step_time_s'), '8.2f')} {_fmt(c.get('peak_gpu_gb'), '8.1f')} "
                      f"{_fmt(c.get('logprob_gap_mean'), '9.2e')} {_fmt(c.get('logprob_gap_max'), '8.2e')} "
+                     f"{_fmt(c.get('mismatch_k3'), '8.1e')} "
                      f"{_fmt(c.get('clip_fraction'), '6.3f')} {_fmt(c.get('wall_s'), '7.0f')}  {note}")
     d = report.get("drift")
     if d:

@@ -62,6 +62,7 @@ def test_cpu_dry_run_passes_and_reports_every_figure(dry_run):
         assert case["logprob_gap_mean"] is not None and 0 <= case["logprob_gap_mean"] < 1e-3
         assert case["logprob_gap_max"] is not None and math.isfinite(case["logprob_gap_max"])
         assert case["clip_fraction"] is not None and case["clip_fraction"] < 1e-6
+        assert case["mismatch_k3"] is not None and 0 <= case["mismatch_k3"] < 1e-6  # (the sampler is the trainer)
         assert case["grad_norm"] > 0  # the spread reward gives non-zero advantages: the weights really move
         assert case["peak_gpu_gb"] is None
         assert Path(case["metrics_file"]).exists() and Path(case["log"]).exists()
@@ -246,7 +247,8 @@ def _rows(n=3, **extra):
         rows.append({"phase": "train", "step": step, "time/collect_score": 1.0 * step, "time/update": 2.0,
                      "tokens_per_second": 100.0 * step, "rollouts_per_second": 4.0, "clip_fraction": 0.0,
                      "rollout/logprob_gap_mean": 0.01 * step, "rollout/logprob_gap_max": 0.1 * step, "loss": 0.1,
-                     "grad_norm": 1.0, "reward/total/mean": 0.5, "memory/peak_gpu_gb": 10.0 + step, **extra})
+                     "grad_norm": 1.0, "reward/total/mean": 0.5, "memory/peak_gpu_gb": 10.0 + step,
+                     "mismatch/k3": 1e-3 * step, **extra})
     return rows
 
 
@@ -257,6 +259,7 @@ def test_summarize_averages_the_steps_after_the_first():
     assert f["step_time_s"] == pytest.approx(4.5)
     assert f["peak_gpu_gb"] == 13.0
     assert f["logprob_gap_mean"] == pytest.approx(0.02) and f["logprob_gap_max"] == pytest.approx(0.3)
+    assert f["mismatch_k3"] == pytest.approx(2e-3)  # every step's
     assert gpu_check.case_problems(f, 0, 3, cuda=True, max_gap_mean=0.1) == []
 
 
