@@ -163,20 +163,30 @@ def refcoco(root: Path, name: str = "refcoco", splits: tuple = ("val", "test", "
 
 
 def vstar(root: Path) -> Path:
-    """craigwu/vstar_bench's test_questions.jsonl with images embedded: split test; `image` an Image, `text` the
-    question with options, `category`, `question_id` int64, `label` the right letter."""
-    import datasets as ds
+    """craigwu/vstar_bench as its repository holds it: test_questions.jsonl (split test; `image` the image's path in
+    the repository, `text` the question with options, `category`, `question_id` an int, `label` the right letter)
+    beside the folders direct_attributes/ and relative_position/ of JPEGs, each with a JSON annotation."""
+    import json
 
-    features = ds.Features({"image": ds.Image(), "text": ds.Value("string"), "category": ds.Value("string"),
-                            "question_id": ds.Value("int64"), "label": ds.Value("string")})
+    folder = root / "vstar"
     suffix = "\nAnswer with the option's letter from the given choices directly."
-    table = {"image": [image_struct(png(96, 96, seed=i), f"v{i}.png") for i in range(3)],
-             "text": ["What is the color of the cup?\n(A) red\n(B) blue\n(C) green\n(D) white" + suffix,
-                      "Is the dog on the left or right of the cat?\n(A) left\n(B) right" + suffix,
-                      "What is the material of the glove?\n(A) rubber\n(B) cotton\n(C) leather\n(D) wool" + suffix],
-             "category": ["direct_attributes", "relative_position", "direct_attributes"],
-             "question_id": [0, 1, 2], "label": ["A", "B", "C"]}
-    return _save(root / "vstar", {"test": table}, features)
+    rows = [("direct_attributes/sa_1.jpg", "What is the color of the cup?\n(A) red\n(B) blue\n(C) green\n(D) white",
+             "direct_attributes", "A"),
+            ("relative_position/sa_2.jpg", "Is the dog on the left or right of the cat?\n(A) left\n(B) right",
+             "relative_position", "B"),
+            ("direct_attributes/sa_3.jpg", "What is the material of the glove?\n(A) rubber\n(B) cotton\n(C) leather"
+             "\n(D) wool", "direct_attributes", "C")]
+    lines = []
+    for i, (path, text, category, label) in enumerate(rows):
+        image = folder / path
+        image.parent.mkdir(parents=True, exist_ok=True)
+        Image.new("RGB", (96, 80), (30 * i, 120, 200)).save(image, format="JPEG")
+        image.with_suffix(".json").write_text(json.dumps({"target_object": ["cup"], "bbox": [[10, 10, 20, 20]],
+                                                          "question": text.split("\n")[0], "options": ["x", "y"]}))
+        lines.append(json.dumps({"image": path, "text": text + suffix, "category": category, "question_id": i,
+                                 "label": label}))
+    (folder / "test_questions.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
 
 
 def virft_classification(root: Path) -> Path:

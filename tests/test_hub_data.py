@@ -133,9 +133,37 @@ def test_cache_layout_matches_datasets_own(tmp_path, monkeypatch):
 
 
 def test_data_fetch_saves_a_split_as_a_folder(tmp_path, capsys):
-    source = hub_fixtures.vstar(tmp_path)
+    source = hub_fixtures.superclevr(tmp_path)
     out = tmp_path / "saved"
     assert main(["data", "fetch", str(source), "--split", "test", "--out", str(out)]) == 0
     assert "saved 3 rows" in capsys.readouterr().out
-    samples, _ = build_dataset({"hub": str(out), "columns": {"problem": "text", "solution": "label"}}, "test", 0)
-    assert [s["solution"] for s in samples] == ["A", "B", "C"]
+    samples, _ = build_dataset({"hub": str(out), "columns": {"problem": "question", "solution": "ground_truth"}},
+                               "test", 0)
+    assert [s["solution"] for s in samples] == ["5", "2", "0"] and samples[0]["images"][0].size == (64, 48)
+
+
+def test_image_paths_of_a_hub_repository(tmp_path, offline, monkeypatch, capsys):
+    """V* keeps its images as files of its repository: `image_root: repo` reads them from the hub snapshot, which
+    offline must already be there; `vlmrl data fetch --files` downloads it."""
+    import huggingface_hub
+
+    folder = hub_fixtures.vstar(tmp_path)
+    spec = {"hub": "craigwu/vstar_bench", "split": "test", "image_root": "repo",
+            "columns": {"problem": "text", "solution": "label"}}
+    monkeypatch.setattr(hub_module, "open_dataset", lambda *a, **k: datasets.load_dataset(str(folder), split="test"))
+    with pytest.raises(DataError, match=r"image files of 'craigwu/vstar_bench' are in its hub repository, which is not "
+                                        r"downloaded and the hub cannot be reached.*vlmrl data fetch "
+                                        r"craigwu/vstar_bench --files --out data/vstar_bench"):
+        build_dataset(spec, "test", 0)
+    calls = []
+
+    def snapshot(repo_id, repo_type=None, revision=None, local_files_only=False, local_dir=None):
+        calls.append((repo_id, repo_type, local_files_only, local_dir))
+        return str(folder)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    samples, _ = build_dataset(spec, "test", 0)
+    assert calls == [("craigwu/vstar_bench", "dataset", True, None)]  # offline: the cached snapshot only
+    assert samples[0]["images"].refs[0] == str(folder / "direct_attributes" / "sa_1.jpg")
+    assert main(["data", "fetch", "craigwu/vstar_bench", "--files", "--out", str(tmp_path / "v")]) == 0
+    assert calls[-1] == ("craigwu/vstar_bench", "dataset", False, str(tmp_path / "v"))

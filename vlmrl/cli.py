@@ -169,8 +169,11 @@ def cmd_data(args) -> int:
             print(name)
         return 0
     if args.data_cmd == "fetch":
-        from vlmrl.data.hub import save_split
+        from vlmrl.data.hub import fetch_files, save_split
 
+        if args.files:
+            print(f"downloaded the repository of {args.name} to {fetch_files(args.name, args.out)}")
+            return 0
         folder, rows = save_split(args.name, args.out, args.split, args.config)
         print(f"saved {rows} rows of {args.name}{f'[{args.split}]' if args.split else ''} to {folder}; use it as "
               f"{{hub: {folder}}} in a recipe or --data {folder} with --benchmark")
@@ -273,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--split", help="the split to save (default: every split)")
     f.add_argument("--config", help="the dataset's configuration, if it has several")
     f.add_argument("--out", required=True, help="the folder to write (point a spec's 'hub:' or --data at it)")
+    f.add_argument("--files", action="store_true", help="download the dataset's repository as it is (data files and "
+                   "the image files they name, as V* Bench keeps them) instead of saving a split")
     d.set_defaults(func=cmd_data)
     from vlmrl.rewards.cli import add_parser as add_inspect_reward
     add_inspect_reward(sub)

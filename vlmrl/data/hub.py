@@ -17,6 +17,10 @@ another vocabulary (MathVista's "integer") is an error until the mapping moves i
 user files do (``vlmrl.data.files``): single- or multi-image, images decoded when used, every bad row an error
 naming the dataset, split and row (or skipped and counted with ``on_error: skip``).
 
+Image columns may hold the images (``datasets.Image``), or paths: relative to ``image_root``, by default to a local
+dataset's folder; ``image_root: repo`` reads them from the dataset's hub repository (V* Bench keeps its images as
+files beside ``test_questions.jsonl``).
+
 Offline-aware: a hub name loads through ``datasets.load_dataset`` (its cache: ``HF_DATASETS_CACHE``). When the hub
 cannot be reached (no network, or ``HF_HUB_OFFLINE=1``) a cached dataset loads from the cache with the hub switched
 off, and one that is not cached is refused at once, before any model is built, naming the command that fetches it
@@ -223,7 +227,7 @@ def load_hub(spec: Mapping[str, Any], where: str = "data spec", default_on_error
         return transform(row) if transform else row
 
     rows = dataset_rows(dataset, label, row_of)
-    base = Path(spec.get("image_root") or (name if is_local(str(name)) else ".")).expanduser().absolute()
+    base = image_base(str(name), spec.get("image_root"), spec.get("revision"), where)
     stem = str(name).rstrip("/").split("/")[-1]
     try:
         return collect_rows(rows, label, stem, base, spec.get("on_error", default_on_error),
@@ -256,6 +260,34 @@ def _check_spec(spec: Mapping[str, Any], where: str) -> None:
         raise DataError(f"{where}: n must be a non-negative int, got {limit!r}")
 
 
+def image_base(name: str, image_root: str | None, revision: str | None = None, where: str = "data spec") -> Path:
+    """The folder image paths in the rows are relative to: ``image_root``; for ``image_root: repo`` the dataset's
+    own repository (a local folder, or the hub snapshot, which offline must already be downloaded); by default a
+    local dataset's folder, or the working directory."""
+    if image_root == "repo" and not is_local(name):
+        from huggingface_hub import snapshot_download
+
+        offline = offline_reason()
+        try:
+            return Path(snapshot_download(name, repo_type="dataset", revision=revision,
+                                          local_files_only=offline is not None))
+        except Exception as error:  # not downloaded while offline, a network error, a gated repository
+            raise DataError(f"{where}: the image files of {name!r} are in its hub repository, which is not downloaded "
+                            f"{'and the hub cannot be reached (' + offline + ')' if offline else f'({error})'}; on a "
+                            f"machine with internet run `vlmrl data fetch {name} --files --out data/"
+                            f"{name.split('/')[-1].lower()}` and use that folder") from None
+    if image_root and image_root != "repo":
+        return Path(image_root).expanduser().absolute()
+    return (Path(name).expanduser() if is_local(name) else Path(".")).absolute()
+
+
+def fetch_files(name: str, out: str | Path, revision: str | None = None) -> Path:
+    """Download a hub dataset's whole repository (its data files and the image files they name) into ``out``."""
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(name, repo_type="dataset", revision=revision, local_dir=str(out)))
+
+
 def save_split(name: str, out: str | Path, split: str | None = None, config: str | None = None,
                revision: str | None = None) -> tuple[Path, int]:
     """Fetch one split of a hub dataset (through the cache) and save it with ``save_to_disk`` at ``out``, for a
@@ -267,5 +299,5 @@ def save_split(name: str, out: str | Path, split: str | None = None, config: str
     return folder, rows
 
 
-__all__ = ["HUB_SPEC_KEYS", "RowError", "check_columns", "fetch_command", "is_cached", "load_hub", "offline_reason",
-           "open_dataset", "save_split"]
+__all__ = ["HUB_SPEC_KEYS", "RowError", "check_columns", "fetch_command", "fetch_files", "image_base", "is_cached",
+           "load_hub", "offline_reason", "open_dataset", "save_split"]

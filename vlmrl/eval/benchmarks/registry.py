@@ -49,6 +49,7 @@ class Benchmark:
     notes: str = ""  # where vlmrl departs from the published protocol
     options: dict[str, Any] = field(default_factory=dict)  # keyword options passed to `score`
     prepare: Callable[[list, Any], None] | None = None  # (samples, policy): add model-dependent columns in place
+    image_root: str | None = None  # "repo": image paths are files of the dataset's repository (vlmrl.data.hub)
 
 
 BENCHMARKS: dict[str, Benchmark] = {}

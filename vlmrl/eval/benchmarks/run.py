@@ -34,6 +34,8 @@ def load_benchmark(benchmark: Benchmark, data: str | None = None, split: str | N
     spec: dict[str, Any] = {"hub": data or benchmark.hub, "split": split or benchmark.split, "on_error": on_error}
     if benchmark.config and not data:
         spec["config"] = benchmark.config
+    if benchmark.image_root:
+        spec["image_root"] = benchmark.image_root
     if n:
         spec["n"] = n
     samples, report = load_hub(spec, f"benchmark {benchmark.name}", transform=benchmark.adapt,

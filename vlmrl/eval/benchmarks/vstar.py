@@ -1,9 +1,11 @@
 """V* Bench (191 questions on high-resolution images): the zoom-in benchmark of guided visual search.
 
 Source: Wu and Xie, "V*: Guided Visual Search as a Core Mechanism in Multimodal LLMs", CVPR 2024 (arXiv:2312.14135);
-data craigwu/vstar_bench (test_questions.jsonl: `image`, `text` = the question with its options "(A) ..." and the
-instruction "Answer with the option's letter from the given choices directly.", `category` = direct_attributes or
-relative_position, `question_id`, `label` = the right letter), read here with its images embedded.
+data craigwu/vstar_bench: test_questions.jsonl (split test: `image` = the image's path in the repository, e.g.
+direct_attributes/sa_4690.jpg, `text` = the question with its options "(A) ..." and the instruction "Answer with the
+option's letter from the given choices directly.", `category` = direct_attributes or relative_position,
+`question_id`, `label` = the right letter) beside the image folders. The images are read from the repository
+(`image_root="repo"`: the hub snapshot, or the folder `vlmrl data fetch craigwu/vstar_bench --files` wrote).
 
 Protocol: the `text` column is the prompt; the answer is the option letter the response names (in the `<answer>`
 block when there is one), right when it is `label`. V*'s own script (vstar_bench_eval.py) scores open models by
@@ -42,7 +44,7 @@ def score(completions: list, solution: list, **_: Any) -> list[float | None]:
 VSTAR = register_benchmark(Benchmark(
     name="vstar", hub="craigwu/vstar_bench", split="test", adapt=adapt, score=score,
     columns=("image", "text", "category", "question_id", "label"), answer_type="text", categories=("category",),
-    max_new_tokens=1024,
+    max_new_tokens=1024, image_root="repo",
     source="Wu and Xie, CVPR 2024 (arXiv:2312.14135); github.com/penghao-wu/vstar",
     notes="generated letter instead of the official option-likelihood scoring",
 ))
