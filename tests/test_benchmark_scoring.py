@@ -153,3 +153,13 @@ def test_docs_give_every_benchmark_and_seed_recipe():
         assert f"recipes/{recipe}.yaml" in doc and (root / "recipes" / f"{recipe}.yaml").exists()
         assert "UNTESTED ON A GPU" in (root / "recipes" / f"{recipe}.yaml").read_text()
     assert "--benchmark" in (root / "README.md").read_text()
+
+
+def test_adapters_accept_the_variants_hub_copies_hold():
+    from vlmrl.eval.benchmarks.refcoco import adapt as refcoco_row
+    from vlmrl.eval.benchmarks.superclevr import superclevr_row
+
+    assert superclevr_row({"image": b"", "question": "How many?", "ground_truth": "4"})["solution"] == "4"
+    rows = refcoco_row({"question_id": "7", "image": b"", "answer": "['the cat', 'left cat']",
+                        "bbox": [1.0, 2.0, 3.0, 4.0]})
+    assert [r["expression"] for r in rows] == ["the cat", "left cat"] and rows[0]["solution"] == "[1, 2, 4, 6]"

@@ -18,6 +18,7 @@ families are read as pixels of the original image. The true box stays in the ori
 
 from __future__ import annotations
 
+import ast
 from typing import Any
 
 from vlmrl.data.files import RowError
@@ -44,7 +45,13 @@ def adapt(row: dict) -> list[dict]:
     x, y, w, h = (float(v) for v in bbox)
     if w <= 0 or h <= 0:
         raise RowError(f"'bbox' {bbox!r} has no area (w and h must be > 0)")
-    expressions = row["answer"] if isinstance(row["answer"], list) else [row["answer"]]
+    expressions = row["answer"]
+    if isinstance(expressions, str) and expressions.startswith("["):  # some copies hold the list's repr
+        try:
+            expressions = ast.literal_eval(expressions)
+        except (ValueError, SyntaxError):
+            raise RowError(f"'answer' {row['answer'][:80]!r} looks like a list but does not parse") from None
+    expressions = expressions if isinstance(expressions, list) else [expressions]
     expressions = [str(e).strip() for e in expressions if str(e).strip()]
     if not expressions:
         raise RowError("'answer' holds no referring expression")

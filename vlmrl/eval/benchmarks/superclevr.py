@@ -4,7 +4,7 @@ Source: R1-V (github.com/Deep-Agent/R1-V), src/eval/test_qwen2vl_counting_superc
 prompts/superclevr_test200_counting_problems.jsonl (`image_path`, `question`, `ground_truth`): greedy decoding, 256
 new tokens, the question followed by the template below, the answer the first integer inside `<answer>...</answer>`
 (`<answer>\\s*(\\d+)\\s*</answer>`), right when it equals `ground_truth`. The dataset form read here is that file
-with its images embedded (`image`, `question`, `ground_truth`), as jigsaw-r1/super_clevr packages it. Images: Li et
+with its images embedded (`image`, `question`, `ground_truth`; split test), as jigsaw-r1/super_clevr packages it. Images: Li et
 al., "Super-CLEVR", CVPR 2023.
 """
 
@@ -24,6 +24,8 @@ _R1V_ANSWER = re.compile(r"<answer>\s*(\d+)\s*</answer>")
 
 def superclevr_row(row: dict) -> dict:
     truth = row["ground_truth"]
+    if isinstance(truth, str) and truth.strip().isdigit():  # R1-V's jsonl has ints; a parquet copy may hold text
+        truth = int(truth)
     if isinstance(truth, bool) or not isinstance(truth, int):
         raise RowError(f"'ground_truth' must be an integer count, got {truth!r}")
     return {"image": row["image"], "problem": R1V_COUNTING_TEMPLATE.format(question=row["question"]),
