@@ -51,9 +51,14 @@ def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_staleness_zero_is_synchronous_training_bit_for_bit(tmp_path):
-    sync = run(tmp_path, "sync")
-    zero = run(tmp_path, "zero", "rollout.asynchronous=true", "rollout.max_staleness=0")
+# dynamic sampling (fill), and a curriculum whose draws follow every answer's pass rate (observed by the producer)
+DAPO = ["algorithm.dynamic_sampling=true", "algorithm.resample_draw=fill", "curriculum.order=learnability"]
+
+
+@pytest.mark.parametrize("extra", [[], DAPO], ids=["grpo", "dapo-curriculum"])
+def test_staleness_zero_is_synchronous_training_bit_for_bit(tmp_path, extra):
+    sync = run(tmp_path, "sync", *extra)
+    zero = run(tmp_path, "zero", "rollout.asynchronous=true", "rollout.max_staleness=0", *extra)
     assert same(weights(sync["run_dir"], 4), weights(zero["run_dir"], 4))
     rows = train_rows(zero["run_dir"])
     assert [r["async/staleness"] for r in rows] == [0.0] * 4
@@ -87,13 +92,23 @@ def test_staleness_one_trains_on_the_version_before(tmp_path, monkeypatch):
     assert rows[0]["mismatch/k3"] < 1e-6  # (step 1: sampled by the weights it trains)
 
 
-def test_resume_is_exact_with_the_saved_answers(tmp_path):
-    whole = run(tmp_path, "whole", "rollout.asynchronous=true", "rollout.max_staleness=2")
-    first = run(tmp_path, "part", "rollout.asynchronous=true", "rollout.max_staleness=2", "trainer.steps=2")
+@pytest.mark.parametrize("extra", [[], DAPO], ids=["grpo", "dapo-curriculum"])
+def test_resume_is_exact_with_the_saved_answers(tmp_path, extra):
+    """Dynamic sampling and the curriculum draw from the run's stream on the producer's thread, in step order: the run
+    repeats, and resumed from a checkpoint (the saved answers, the signal share) ends where it would have."""
+    args = ["rollout.asynchronous=true", "rollout.max_staleness=2", *extra]
+    whole = run(tmp_path, "whole", *args)
+    again = run(tmp_path, "again", *args)
+    assert same(weights(whole["run_dir"], 4), weights(again["run_dir"], 4))
+    first = run(tmp_path, "part", *args, "trainer.steps=2")
     assert (Path(first["run_dir"]) / "checkpoint-2" / asynchronous.PENDING_FILE).exists()
-    resumed = run(tmp_path, "part", "rollout.asynchronous=true", "rollout.max_staleness=2",
-                  resume=Path(first["run_dir"]))
+    resumed = run(tmp_path, "part", *args, resume=Path(first["run_dir"]))
     assert same(weights(whole["run_dir"], 4), weights(resumed["run_dir"], 4))
+    if extra:
+        rows = train_rows(whole["run_dir"])
+        assert all("dynamic_sampling/rounds" in r for r in rows)
+        pending = torch.load(Path(first["run_dir"]) / "checkpoint-2" / asynchronous.PENDING_FILE, weights_only=False)
+        assert sorted(pending["produced"]) == [3, 4] and pending["signal_share"] is not None
 
 
 def test_answers_older_than_the_bound_are_dropped_and_counted(tmp_path):

@@ -190,7 +190,10 @@ def test_auto_resolves_by_where_answers_come_from():
     (["algorithm.rollout_correction=mis", "algorithm.ratio_denominator=behaviour"], "already"),
     (["algorithm.rollout_correction=icepop", "algorithm.correction_low=3", "algorithm.correction_high=2"], "> corr"),
     (["algorithm.rollout_correction=token_tis", "algorithm.correction_low=0.5"], "from above only"),
-    (["rollout.asynchronous=true", "algorithm.dynamic_sampling=true"], "dynamic_sampling"),
+    (["rollout.asynchronous=true", "algorithm.dynamic_sampling=true", "trainer.minibatches=2"], "minibatches > 1"),
+    (["rollout.asynchronous=true", "curriculum.order=learnability", "replay.weight=0.1", "data.sft={task: shapes_count}"],
+     "replay.weight > 0"),
+    (["rollout.asynchronous=true", "data.preferences={task: shapes_count}"], "offline DPO"),
     (["rollout.asynchronous=true", "algorithm.advantage=remax", "rollout.group_size=2"], "remax"),
 ])
 def test_the_recipe_refuses_what_cannot_be_corrected(overrides, needle):

@@ -431,16 +431,21 @@ def _correction(algorithm, rollout) -> str | None:
 def _off_policy(c: Config) -> str | None:
     problem = _correction(c.algorithm, c.rollout)
     if problem is None and c.rollout.asynchronous:
-        if c.algorithm.dynamic_sampling or c.curriculum.active or c.data.preferences is not None:
-            what = ("algorithm.dynamic_sampling" if c.algorithm.dynamic_sampling else
-                    "a curriculum" if c.curriculum.active else "data.preferences (offline DPO)")
-            problem = (f"rollout.asynchronous with {what}: asynchronous rollouts draw a step's prompts before the "
-                       f"steps in between have trained, and this needs each step's results to choose the next "
-                       f"prompts; set rollout.asynchronous=false, or turn it off")
+        chooses = c.algorithm.dynamic_sampling or c.curriculum.active  # draw from the stream on the producer's thread
+        if c.data.preferences is not None:
+            problem = ("rollout.asynchronous with data.preferences (offline DPO): offline DPO trains on fixed pairs and "
+                       "samples nothing; set rollout.asynchronous=false")
         elif c.algorithm.advantage == "remax" or c.algorithm.policy_loss == "dpo":
             problem = (f"rollout.asynchronous with "
                        f"{'advantage=remax' if c.algorithm.advantage == 'remax' else 'policy_loss=dpo'}: only the "
                        f"policy-gradient losses take a correction for stale answers; set rollout.asynchronous=false")
+        elif chooses and c.rollout.max_staleness > 0 and (c.trainer.minibatches > 1 or c.replay.weight > 0):
+            what = "algorithm.dynamic_sampling" if c.algorithm.dynamic_sampling else "a curriculum"
+            problem = (f"rollout.asynchronous with {what} and "
+                       f"{'trainer.minibatches > 1' if c.trainer.minibatches > 1 else 'replay.weight > 0'}: the "
+                       f"producer draws prompts from the run's random stream while the update draws its minibatches or "
+                       f"replay batch from it, so the run would not repeat; use one minibatch and no replay, or "
+                       f"rollout.max_staleness=0")
     return problem
 
 
@@ -505,8 +510,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("rollout.vllm.max_model_len",), "`rollout.vllm.max_model_len` >= `data.max_prompt_length + "
          "rollout.max_new_tokens` (with an agent: `+ agent.max_total_tokens`)", _context),
     Rule(("algorithm.rollout_correction", "algorithm.ratio_denominator", "rollout.asynchronous"), "off-policy "
-         "corrections need the proximal denominator and no top-k/top-p; asynchronous rollouts run without dynamic "
-         "sampling, a curriculum, ReMax or DPO", _off_policy),
+         "corrections need the proximal denominator and no top-k/top-p; asynchronous rollouts run without ReMax or "
+         "DPO, and with dynamic sampling or a curriculum only with one minibatch and no replay", _off_policy),
 )
 
 

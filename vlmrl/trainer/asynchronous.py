@@ -55,11 +55,17 @@ def pending_file(checkpoint: Path, rank: int) -> Path:
 class AsyncRollouts:
     """The producer and its bounded queue of produced steps. `draw(step)` returns the prompts of a step (drawn on the
     trainer's thread, in step order); `rollout_policy`: the copy the producer samples with (None: S = 0 or a rollout
-    engine, which samples with its own weights)."""
+    engine, which samples with its own weights); `resample(k)`: dynamic sampling's extra prompts.
+
+    Dynamic sampling and the curriculum draw from the run's stream on the producer's thread too (extra rounds; pass
+    rates): never at the same time as the trainer, whose own draws wait until the producer is idle, and whose update
+    draws nothing when it runs one minibatch without SFT replay (the recipe rule that allows them with S > 0)."""
 
     def __init__(self, ctx: StepContext, draw, max_staleness: int, timeout: float,
-                 rollout_policy: Policy | None = None):
+                 rollout_policy: Policy | None = None, resample=None):
         self.ctx, self.draw, self.staleness, self.timeout = ctx, draw, max_staleness, timeout
+        self.resample = resample  # dynamic sampling's draw of k more prompts (on the producer's thread)
+        self.signal_share = ctx.signal_share
         self.rollout_policy = rollout_policy
         self.copy_version: int | None = None  # the version the copy (or engine) holds
         self.produced: dict[int, Produced] = {}  # step -> its answers, produced or loaded from a checkpoint
@@ -80,7 +86,7 @@ class AsyncRollouts:
     def _context(self, step: int) -> StepContext:
         policy = self.rollout_policy or self.ctx.policy
         forward = self.ctx.forward if self.rollout_policy is None else TrainingForward(policy)
-        return dataclasses.replace(self.ctx, policy=policy, forward=forward, step=step, observe=None)
+        return dataclasses.replace(self.ctx, policy=policy, forward=forward, step=step)
 
     def _work(self) -> None:
         while True:
@@ -89,7 +95,8 @@ class AsyncRollouts:
                 return
             step, version, samples = item
             try:
-                out = produce(self._context(step), samples)
+                ctx = self._context(step)
+                out = produce(ctx, samples, self.resample)
                 out.version = version
             except BaseException as exc:  # handed to the trainer's thread, which stops the run with it
                 with self._done:
@@ -99,6 +106,7 @@ class AsyncRollouts:
                 return
             with self._done:
                 self.produced[step] = out
+                self.signal_share = ctx.signal_share  # (dynamic sampling: the next draw's size follows it)
                 self._busy = None
                 self._done.notify_all()
 
@@ -145,6 +153,7 @@ class AsyncRollouts:
     def _request(self, step: int, version: int) -> None:
         self._wait(lambda: self._busy is None)
         self._push(version)
+        self.ctx.signal_share = self.signal_share  # the share of the last step produced
         self.samples[step] = self.draw(step)
         self._give(step, version, self.samples[step])
 
@@ -185,7 +194,8 @@ class AsyncRollouts:
         """The produced-but-not-trained steps, after the one being generated is done."""
         self._wait(lambda: self._busy is None)
         torch.save({"next_request": self.next_request, "produced": dict(self.produced),
-                    "samples": dict(self.samples)}, pending_file(checkpoint, rank))
+                    "samples": dict(self.samples), "signal_share": self.signal_share},
+                   pending_file(checkpoint, rank))
 
     def load(self, checkpoint: Path, rank: int) -> bool:
         """Steps a checkpoint saved as produced (False: it saved none, e.g. a synchronous run's)."""
@@ -195,6 +205,7 @@ class AsyncRollouts:
         state = torch.load(path, weights_only=False)
         self.produced.update(state["produced"])
         self.samples.update(state["samples"])
+        self.signal_share = state["signal_share"]
         self.next_request = state["next_request"]
         return True
 

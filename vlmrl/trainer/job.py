@@ -128,7 +128,7 @@ class RLJob:
             metrics.setdefault("accuracy", metrics["dpo/accuracy"])
             return metrics, None
         curriculum = self.stream if isinstance(self.stream, Curriculum) else None
-        if curriculum is not None:
+        if curriculum is not None and self.rollouts is None:  # (asynchronous: when the step's prompts are drawn)
             curriculum.set_step(step)
         markers = marker_sets(self.cfg.eval.reflection_words, self.cfg.eval.backtracking_words)
         beta = ctx.kl.beta
@@ -138,8 +138,7 @@ class RLJob:
             metrics.update(self.rollouts.metrics(step, produced))
         else:
             # every rank draws the same prompts (one stream, one generator); each generates its shard of every round
-            metrics, gallery = rl_step(ctx, self.draw(), markers=markers,
-                                       draw=lambda k: [self.train_set[i] for i in self.stream.next(k)])
+            metrics, gallery = rl_step(ctx, self.draw(), draw=self.resample, markers=markers)
         metrics = reduce_metrics(metrics, ctx.dist)
         if ctx.kl.adaptive:  # the next step's beta, from this step's KL (the same on every rank: reduced first)
             metrics["kl_beta"] = beta
@@ -150,16 +149,23 @@ class RLJob:
 
 
     def draw(self, step: int | None = None) -> list[dict]:
-        """The prompts of the next step to generate (`step`: which one, under asynchronous rollouts; unused: the
-        stream gives them in step order)."""
+        """The prompts of the next step to generate (`step`: which one, under asynchronous rollouts, where prompts
+        are drawn ahead: a curriculum opens its share for that step)."""
+        if step is not None and isinstance(self.stream, Curriculum):
+            self.stream.set_step(step)
         return [self.train_set[i] for i in self.stream.next(first_round_size(self.ctx))]
+
+    def resample(self, k: int) -> list[dict]:
+        """Dynamic sampling's `k` more prompts from the same stream."""
+        return [self.train_set[i] for i in self.stream.next(k)]
 
     def start_rollouts(self, resume: Path | None) -> None:
         """Asynchronous rollouts (rollout.asynchronous): the producer, with the steps a checkpoint saved as produced."""
         from vlmrl.trainer.asynchronous import AsyncRollouts
 
         r = self.cfg.rollout
-        self.rollouts = AsyncRollouts(self.ctx, self.draw, r.max_staleness, r.producer_timeout, self.rollout_policy)
+        self.rollouts = AsyncRollouts(self.ctx, self.draw, r.max_staleness, r.producer_timeout, self.rollout_policy,
+                                      self.resample)
         if resume is not None:
             self.rollouts.load(resume, self.ctx.dist.rank)
 
@@ -174,6 +180,11 @@ def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
     if not dist_info.active:
         return
     shard(cfg.rollout.prompts_per_step, dist_info)  # every rank takes the same number of prompts (or DPO pairs)
+    r, a = cfg.rollout, cfg.algorithm
+    if r.asynchronous and r.max_staleness > 0 and (a.dynamic_sampling or cfg.curriculum.active):
+        raise ConfigError("rollout.asynchronous with max_staleness > 0 and dynamic sampling or a curriculum under "
+                          "torchrun: both count groups over the ranks while they generate, which would meet the "
+                          "update's collectives; set rollout.max_staleness=0, or turn them off")
     if cfg.replay.weight > 0 and cfg.replay.batch_size % dist_info.world:  # each rank trains its share of a batch
         raise ConfigError(f"replay.batch_size={cfg.replay.batch_size} must be a multiple of the number of processes "
                           f"({dist_info.world}) under torchrun: each trains its share of every replay batch")
