@@ -6,10 +6,10 @@ to the on-policy run, and the wall time of each arm beside the synchronous one.
     python benchmarks/off_policy.py --seeds 0 1 2 --staleness 4 [--steps 1500] [--lr 3e-4] [KEY=VALUE ...]
     python benchmarks/off_policy.py --smoke        # seconds: 1 seed, 2 arms, a few steps of a very small model
 
-The task is the quickstart's (counting shapes, 4,000 RL prompts, 600 held-out scenes) with plain GRPO instead of
-DAPO's dynamic sampling and curriculum (asynchronous rollouts draw a step's prompts before the steps in between have
-trained, which those two need). Per seed the SFT warm-start runs once (`trainer.steps=0`); every arm starts RL from
-its checkpoint-0, in its own process, at 1 thread, one arm at a time (`--jobs 2`: two at once, each on its core).
+The task and recipe are the quickstart's (counting shapes, 4,000 RL prompts, 600 held-out scenes, DAPO's settings
+and the curriculum; the asynchronous producer runs dynamic sampling's rounds itself). Per seed the SFT warm-start runs
+once (`trainer.steps=0`); every arm starts RL from its checkpoint-0, in its own process, at 1 thread, one arm at a
+time (`--jobs 2`: two at once, each on its core; their wall times are then only comparable with each other).
 
 Prints a markdown table for BENCHMARKS.md and writes the raw numbers to benchmarks/results/<--results>.
 """
@@ -26,8 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PLAIN = ["algorithm.dynamic_sampling=false", "curriculum.filter_solved=false", "trainer.eval_every=0",
-         "trainer.log_rollouts_every=0", "trainer.save_every=0", "trainer.save_every_minutes=0"]
+PLAIN = ["trainer.eval_every=0", "trainer.log_rollouts_every=0", "trainer.save_every=0", "trainer.save_every_minutes=0"]
 SMOKE = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
          "model.tiny.intermediate_size=64", "model.tiny.vision_dim=32", "model.tiny.vision_heads=2",
          "model.tiny.vocab_size=400", "model.tiny.min_pixels=3136", "model.tiny.max_pixels=7056", "data.train.n=40",
