@@ -1,0 +1,121 @@
+"""What a turn costs, and that the ways of making it cheaper change nothing: the renderer's memory of what repeats
+within a rollout call (vlmrl.agent.render.TurnRenderer) gives the ids, tokens and tensors it replaces, bit for bit,
+and an image with the pixels of an earlier one keeps its own image key (so the vision tower and its gradients run
+exactly as before)."""
+
+from __future__ import annotations
+
+import torch
+from PIL import Image
+
+import vlmrl.agent.rollout as agent_rollout_module
+from vlmrl.agent import AgentLimits, agent_rollout
+from vlmrl.agent.env import ToolEnvironment
+from vlmrl.agent.render import TurnRenderer
+from vlmrl.agent.tools import BUILTIN_TOOLS
+from vlmrl.rollout.batch import make_prompts
+from vlmrl.rollout.generate import Rollout
+
+ZOOM = '<tool_call>{"name":"zoom","arguments":{"box":[0,0,28,28]}}</tool_call>'
+ANSWER = "<answer>5</answer>"
+
+
+def counting_process_images(monkeypatch, processor) -> list[int]:
+    calls, process = [], processor.process_images
+
+    def counted(images):
+        calls.append(len(images))
+        return process(images)
+
+    monkeypatch.setattr(processor, "process_images", counted)
+    return calls
+
+
+def test_the_renderer_reuses_only_what_is_the_same(policy, monkeypatch):
+    """Observations of every shape, rendered by one renderer (its memory on) and each by a fresh renderer (nothing
+    remembered), are the same ids and image tokens; an image with an earlier image's pixels is not processed again
+    yet keeps a key of its own; an image of the same size with other pixels is processed."""
+    proc = policy.processor
+    calls = counting_process_images(monkeypatch, proc)
+    red = Image.new("RGB", (56, 56), (200, 30, 30))
+    red_again = Image.new("RGB", (56, 56), (200, 30, 30))  # a distinct object, equal pixels
+    blue = Image.new("RGB", (56, 56), (30, 30, 200))  # the same size, other pixels
+    observations = [[{"type": "image", "image": red}],
+                    [{"type": "text", "text": "x"}, {"type": "image", "image": red_again}],
+                    [{"type": "image", "image": blue}, {"type": "text", "text": "<|im_end|> y"}],
+                    [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    [{"type": "text", "text": "x"}]]
+    remembering = TurnRenderer(proc)
+    remembered = [remembering.observation(obs, "s", 1) for obs in observations]
+    assert calls == [1, 1]  # red, then blue: red_again took red's tensors
+    keys = [proc.image_cache.get(im)[3] for im in (red, red_again, blue)]
+    assert len(set(keys)) == 3 and None not in keys  # every image object its own key
+    proc.image_cache.clear()
+    for obs, (ids, images, tokens) in zip(observations, remembered, strict=True):
+        fresh_ids, fresh_images, fresh_tokens = TurnRenderer(proc).observation(obs, "s", 1)
+        assert ids == fresh_ids and tokens == fresh_tokens
+        assert all(a is b for a, b in zip(images, fresh_images, strict=True))
+
+
+def test_a_group_that_zooms_on_one_cell_processes_its_image_once(policy, count_samples, monkeypatch):
+    """Four trajectories zoom on the same box: the four equal images are preprocessed once, yet the conversation
+    holds four image keys, so the vision tower runs on each as before; the whole rollout (ids, masks, the
+    conversation's ids and image tensors) equals the one a renderer with no memory gives."""
+    tok, eos, proc = policy.processor.tokenizer, policy.eos_token_ids[0], policy.processor
+    script = {0: [ZOOM] * 4, 1: [ANSWER] * 4}
+
+    def fake_generate(policy_, prompts, group_size, max_new_tokens, *args, **kwargs):
+        messages = script[len(calls_by_turn)]
+        calls_by_turn.append(len(messages))
+        seqs = [tok(m, add_special_tokens=False)["input_ids"] + [eos] for m in messages]
+        ids = torch.tensor(seqs)
+        return Rollout(torch.arange(len(seqs)), ids, torch.ones_like(ids), torch.zeros(ids.shape),
+                       torch.zeros(len(seqs), dtype=torch.bool), messages)
+
+    monkeypatch.setattr(agent_rollout_module, "generate", fake_generate)
+    samples = count_samples[:1]
+    limits = AgentLimits(max_turns=2, turn_tokens=64, max_total_tokens=400)
+
+    def run():
+        calls_by_turn.clear()
+        proc.image_cache.clear()
+        return agent_rollout(policy, make_prompts(policy, samples), samples, 4, limits, BUILTIN_TOOLS,
+                             ToolEnvironment, 1.0, max_pixels=84 * 84).rollout
+
+    calls_by_turn: list[int] = []
+    processed = counting_process_images(monkeypatch, proc)
+    cheap = run()
+    zoom_images = [n for n in processed[1:] if n]  # (the first call is the prompt's image)
+    assert sum(zoom_images) == 1, processed
+    context = cheap.context
+    assert context.images_per_prompt == [2] * 4 and len(set(context.image_keys[1::2])) == 4
+    vision_calls = policy.family.vision_calls
+    policy.family.prompt_embeds(context)
+    assert policy.family.vision_calls - vision_calls == 1 + 4  # the board once per group, each zoom image once
+
+    monkeypatch.setattr(TurnRenderer, "processed_images", lambda self, images: proc.processed_images(images))
+    monkeypatch.setattr(TurnRenderer, "__init__", _forgetful_init(TurnRenderer.__init__))
+    plain = run()
+    for field in ("completion_ids", "completion_mask", "logprobs", "truncated"):
+        assert torch.equal(getattr(cheap, field), getattr(plain, field)), field
+    assert torch.equal(cheap.context.input_ids, plain.context.input_ids)
+    assert torch.equal(cheap.context.mm_token_type_ids, plain.context.mm_token_type_ids)
+    assert cheap.context.vision.keys() == plain.context.vision.keys()
+    assert all(torch.equal(cheap.context.vision[k], plain.context.vision[k]) for k in cheap.context.vision)
+
+
+def _forgetful_init(init):
+    """A TurnRenderer whose memories forget every entry (each lookup misses)."""
+
+    class Forgets(dict):
+        def __setitem__(self, key, value):
+            pass
+
+        def setdefault(self, key, default=None):
+            return default
+
+    def forgetful(self, processor):
+        init(self, processor)
+        self.suffixes, self.scaffold_ids, self.first_with_pixels = Forgets(), Forgets(), Forgets()
+
+    return forgetful
