@@ -27,8 +27,8 @@ from vlmrl.models.scoring import logprob_gap, score_batch
 from vlmrl.rewards import RewardOutput, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import Rollout, concat_rollouts, generate
-from vlmrl.trainer.curriculum import PASS_RATE_BINS, pass_rate_bin
 from vlmrl.trainer.distributed import all_sum, gather_counts, gather_lists, gathered, shard, whole_ranks
+from vlmrl.trainer.step_metrics import pass_rate_histogram, task_reward_counts
 from vlmrl.trainer.types import StepContext, Trajectories
 from vlmrl.trainer.update import update
 
@@ -284,32 +284,6 @@ def rank_sum(ctx: StepContext) -> Callable[[Tensor], Tensor] | None:
     if not ctx.dist.active:
         return None
     return lambda t: all_sum(t, ctx.dist).to(dtype=t.dtype, device=t.device)
-
-
-def pass_rate_histogram(correct: list[bool], group_size: int) -> dict[str, float]:
-    """The share of the trained groups in each pass-rate bin (`trained_pass_rate/0`, `/0-25`, ..., `/100`): how much
-    of the batch could carry a signal (the two ends cannot under a 0/1 reward)."""
-    groups = [correct[i:i + group_size] for i in range(0, len(correct), group_size)]
-    counts = dict.fromkeys(PASS_RATE_BINS, 0)
-    for group in groups:
-        counts[pass_rate_bin(sum(group), len(group))] += 1
-    return {f"trained_pass_rate/{k}": v / max(len(groups), 1) for k, v in counts.items()}
-
-
-def task_reward_counts(batch: Batch) -> dict[str, float]:
-    """Per task of the batch: `task/<task>/graded_answers`, the answers a weighted reward that grades answers gave a
-    value, and `task/<task>/ungraded_answers`, those only shaping rewards (format, length) or none scored: nothing
-    paid a right answer there (vlmrl.rewards.coverage; under torchrun, the mean over the processes)."""
-    graded = batch.rewards.graded
-    if graded is None:
-        return {}
-    out: dict[str, float] = {}
-    for row, ok in zip(batch.rollout.prompt_index.tolist(), graded, strict=True):
-        task = batch.samples[row].get("task") or "data"
-        for kind in ("graded", "ungraded"):
-            out.setdefault(f"task/{task}/{kind}_answers", 0.0)
-        out[f"task/{task}/{'graded' if ok else 'ungraded'}_answers"] += 1.0
-    return out
 
 
 # -- Stage IV: update -> vlmrl/trainer/update.py ---------------------------------------------------------------------

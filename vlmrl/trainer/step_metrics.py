@@ -1,0 +1,32 @@
+"""What an RL step logs about the batch it trained, beside the update's own metrics (vlmrl/trainer/rl.py `learn`):
+the pass-rate histogram of its groups and, per task, how many answers a grading reward scored."""
+
+from __future__ import annotations
+
+from vlmrl.trainer.curriculum import PASS_RATE_BINS, pass_rate_bin
+
+
+def pass_rate_histogram(correct: list[bool], group_size: int) -> dict[str, float]:
+    """The share of the trained groups in each pass-rate bin (`trained_pass_rate/0`, `/0-25`, ..., `/100`): how much
+    of the batch could carry a signal (the two ends cannot under a 0/1 reward)."""
+    groups = [correct[i:i + group_size] for i in range(0, len(correct), group_size)]
+    counts = dict.fromkeys(PASS_RATE_BINS, 0)
+    for group in groups:
+        counts[pass_rate_bin(sum(group), len(group))] += 1
+    return {f"trained_pass_rate/{k}": v / max(len(groups), 1) for k, v in counts.items()}
+
+
+def task_reward_counts(batch) -> dict[str, float]:
+    """Per task of the batch: `task/<task>/graded_answers`, the answers a weighted reward that grades answers gave a
+    value, and `task/<task>/ungraded_answers`, those only shaping rewards (format, length) or none scored: nothing
+    paid a right answer there (vlmrl.rewards.coverage; under torchrun, the mean over the processes)."""
+    graded = batch.rewards.graded
+    if graded is None:
+        return {}
+    out: dict[str, float] = {}
+    for row, ok in zip(batch.rollout.prompt_index.tolist(), graded, strict=True):
+        task = batch.samples[row].get("task") or "data"
+        for kind in ("graded", "ungraded"):
+            out.setdefault(f"task/{task}/{kind}_answers", 0.0)
+        out[f"task/{task}/{'graded' if ok else 'ungraded'}_answers"] += 1.0
+    return out
