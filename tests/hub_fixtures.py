@@ -85,8 +85,9 @@ def mathvista(root: Path) -> Path:
 
 
 def mathverse(root: Path) -> Path:
-    """AI4Math/MathVerse, config testmini: split testmini; `image` an Image; `metadata` {split, source, subject,
-    subfield}; `query_wo`, `query_cot`, `question_for_eval` strings."""
+    """AI4Math/MathVerse, config testmini: split testmini (3,940 rows); `image` an Image; `metadata` {split, source,
+    subject, subfield}; `query_wo`, `query_cot`, `question_for_eval` strings (MathVerse's README and
+    output_templates/output_testmini.json; `question_for_eval` added on the hub in April 2024)."""
     import datasets as ds
 
     features = ds.Features({"sample_index": ds.Value("string"), "problem_index": ds.Value("string"),
@@ -109,27 +110,39 @@ def mathverse(root: Path) -> Path:
         table["answer"].append(answer)
         table["question_type"].append(qtype)
         table["metadata"].append({"split": "testmini", "source": "GeoQA", "subject": subject, "subfield": "Length"})
-        table["query_wo"].append("Please directly answer the question. Question: find x.")
-        table["query_cot"].append("Please first conduct reasoning, and then answer the question. Question: find x.")
+        ask = ("provide the correct option letter, e.g., A, B, C, D" if qtype == "multi-choice"
+               else "provide the final value, e.g., 1, 2.5, 300")  # the columns' published form (output_testmini.json)
+        table["query_wo"].append(f"Please directly answer the question and {ask}.\nQuestion: find x.")
+        table["query_cot"].append(f"Please first conduct reasoning, and then answer the question and {ask}, at the "
+                                  "end.\nQuestion: find x.")
         table["question_for_eval"].append("find x.")
     return _save(root / "mathverse", {"testmini": table}, features)
 
 
 def geometry3k(root: Path) -> Path:
-    """hiyouga/geometry3k: splits train, validation, test; `images` a list of Images, `problem` with `<image>`."""
+    """hiyouga/geometry3k as its dataset card gives the features: splits train, validation, test (2,101 / 300 / 601
+    rows); `images` a list of Images, `problem` with `<image>`, `answer` a string, `id` an int64, `choices` a list
+    of strings, `ground_truth` a string (here the right choice's letter: what the card's column holds is unconfirmed;
+    vlmrl reads `images`, `problem` and `answer` only)."""
     import datasets as ds
 
     features = ds.Features({"images": ds.Sequence(ds.Image()), "problem": ds.Value("string"),
-                            "answer": ds.Value("string")})
+                            "answer": ds.Value("string"), "id": ds.Value("int64"),
+                            "choices": ds.Sequence(ds.Value("string")), "ground_truth": ds.Value("string")})
     table = {"images": [[image_struct(png(seed=i + 5), f"g{i}.png")] for i in range(3)],
              "problem": ["<image>Find x.", "<image>Find the area of the triangle.", "<image>Find y."],
-             "answer": ["3\\sqrt{2}", "24", "\\frac{7}{2}"]}
+             "answer": ["3\\sqrt{2}", "24", "\\frac{7}{2}"], "id": [2948, 2101, 17],
+             "choices": [["3\\sqrt{2}", "6", "9", "18"], ["12", "24", "36", "48"], ["\\frac{7}{2}", "4", "5", "7"]],
+             "ground_truth": ["A", "B", "A"]}
     return _save(root / "geometry3k", {"train": table, "validation": table, "test": table}, features)
 
 
 def superclevr(root: Path) -> Path:
-    """R1-V's superclevr_test200_counting_problems.jsonl with images embedded: split test; `image` an Image,
-    `question` a string, `ground_truth` an int64."""
+    """jigsaw-r1/super_clevr (R1-V's superclevr_test200_counting_problems.jsonl with its images, as packaged for
+    Jigsaw-R1): one parquet file as split test, read by Jigsaw-R1's utils/utils.py through the columns `image`,
+    `question` and `ground_truth`. The feature types are unconfirmed (the card lists no features and its only
+    modality is text, so `image` may be encoded bytes rather than an Image); here `image` is an Image and
+    `ground_truth` an int64 as in R1-V's jsonl (the benchmark also accepts a digit string)."""
     import datasets as ds
 
     features = ds.Features({"image": ds.Image(), "question": ds.Value("string"), "ground_truth": ds.Value("int64")})
@@ -141,13 +154,15 @@ def superclevr(root: Path) -> Path:
 
 
 def refcoco(root: Path, name: str = "refcoco", splits: tuple = ("val", "test", "testA", "testB")) -> Path:
-    """lmms-lab/RefCOCO (also RefCOCOplus, RefCOCOg): splits val, test, testA, testB; `image` an Image, `answer` the
-    referring expressions (a list of strings), `bbox` [x, y, w, h] floats, `segmentation`, `iscrowd`, `file_name`."""
+    """lmms-lab/RefCOCO (also RefCOCOplus, RefCOCOg), as their dataset cards give the features: splits val, test, testA,
+    testB (RefCOCOplus val/testA/testB, RefCOCOg val/test); `question_id` a string, `image` an Image, `question` a
+    string, `answer` the referring expressions (a list of strings), `segmentation` and `bbox` ([x, y, w, h]) lists of
+    float32, `iscrowd` an int8, `file_name` a string."""
     import datasets as ds
 
     features = ds.Features({"question_id": ds.Value("string"), "image": ds.Image(), "question": ds.Value("string"),
                             "answer": ds.Sequence(ds.Value("string")), "segmentation": ds.Sequence(ds.Value("float32")),
-                            "bbox": ds.Sequence(ds.Value("float32")), "iscrowd": ds.Value("int64"),
+                            "bbox": ds.Sequence(ds.Value("float32")), "iscrowd": ds.Value("int8"),
                             "file_name": ds.Value("string")})
     boxes = [(10.0, 8.0, 30.0, 20.0), (2.0, 2.0, 20.0, 40.0)]
     table = {"question_id": ["100", "101"],
@@ -190,22 +205,32 @@ def vstar(root: Path) -> Path:
 
 
 def virft_classification(root: Path) -> Path:
-    """laolao77/ViRFT_CLS_flower_4_shot (Visual-RFT's few-shot classification): split train; `image` an Image,
-    `problem` the question listing the classes, `solution` "<answer>label</answer>"."""
+    """laolao77/ViRFT_CLS_flower_4_shot (Visual-RFT's few-shot classification: 102 classes x 4 = 408 rows): split
+    train; `image` an Image (Visual-RFT's dataset/build_dataset.ipynb converts images to RGBA), `problem` the whole
+    prompt (Visual-RFT's grpo_classification.py adds nothing to it; its wording here follows the classification
+    eval script's, the dataset's own is unconfirmed), `solution` "<answer>label</answer>"."""
     import datasets as ds
 
     features = ds.Features({"image": ds.Image(), "problem": ds.Value("string"), "solution": ds.Value("string")})
-    labels = ["daisy", "rose", "sunflower", "tulip"]
-    table = {"image": [image_struct(png(seed=i), f"f{i}.png") for i in range(4)],
+    labels = ["pink primrose", "globe-flower", "sunflower", "sweet pea"]
+    rgba = []
+    for i in range(4):
+        out = io.BytesIO()
+        Image.open(io.BytesIO(png(seed=i))).convert("RGBA").save(out, format="PNG")
+        rgba.append(image_struct(out.getvalue(), f"f{i}.png"))
+    table = {"image": rgba,
              "problem": ["This is an image containing a flower. Please identify the species of the flower based on the "
-                         "image."] * 4,
+                         "image.\nOutput the thinking process in <think> </think> and final answer in <answer> </answer> "
+                         "tags.The output answer format should be as follows:\n<think> ... </think> <answer>species "
+                         "name</answer>\nPlease strictly follow the format."] * 4,
              "solution": [f"<answer>{label}</answer>" for label in labels]}
     return _save(root / "virft_cls", {"train": table}, features)
 
 
 def clevr_counting(root: Path) -> Path:
-    """leonardPKU/clevr_cogen_a_train (R1-V's CLEVR-70k counting): split train; `image` an Image, `problem`,
-    `solution` "<answer> N </answer>"."""
+    """leonardPKU/clevr_cogen_a_train (R1-V's CLEVR-70k counting, 70,000 rows): split train; `image` an Image,
+    `problem` ("How many items are there in the image?"), `solution` "<answer> N </answer>" (the row ms-swift's GRPO
+    guide shows; R1-V's grpo.py reads exactly these three columns)."""
     import datasets as ds
 
     features = ds.Features({"image": ds.Image(), "problem": ds.Value("string"), "solution": ds.Value("string")})

@@ -1,7 +1,8 @@
 """Each benchmark's scorer on hand-picked answers, against what its published evaluator does with them: MathVista's
 letters, option texts, units, integer and float precision (lupantech/MathVista calculate_score.py), MathVerse's
 letters and math answers, EasyR1's boxed Geometry3K answers, R1-V's SuperCLEVR regex, RefCOCO boxes in each model
-family's coordinate convention at IoU 0.5, V*'s option letters; and the registry."""
+family's coordinate convention at IoU > 0.5 from the answer block (VLM-R1 test_rec_r1.py), V*'s option letters,
+Visual-RFT's classification containment test; and the registry."""
 
 import pytest
 
@@ -15,6 +16,7 @@ from vlmrl.eval.benchmarks.mathvista import score as mathvista_score
 from vlmrl.eval.benchmarks.refcoco import box_convention, predicted_box
 from vlmrl.eval.benchmarks.refcoco import score as refcoco_score
 from vlmrl.eval.benchmarks.superclevr import superclevr_score
+from vlmrl.eval.benchmarks.virft import virft_accuracy
 from vlmrl.eval.benchmarks.vstar import score as vstar_score
 
 COMPARE = ["larger than", "equal to", "smaller than"]
@@ -64,6 +66,29 @@ def test_mathverse_letters_and_math_answers():
     assert mathverse_score(["The answer is 25.", "24"], ["25"] * 2, question_type=["free-form"] * 2) == [1, 0]
 
 
+def test_mathverse_prompt_is_the_w_o_query():
+    """MathVerse's README: the 'w/o' accuracy, on answers to `query_wo`, is the leaderboard's primary metric."""
+    from vlmrl.eval.benchmarks.mathverse import adapt
+
+    row = {"sample_index": "1", "problem_index": "1", "problem_version": "Vision Only", "image": b"", "answer": "B",
+           "question_type": "multi-choice", "metadata": {"subject": "Plane Geometry", "subfield": "Angle"},
+           "query_wo": "Please directly answer the question ...", "query_cot": "Please first conduct reasoning ..."}
+    assert adapt(row)["problem"] == row["query_wo"]
+
+
+def test_visual_rft_classification_containment():
+    """Visual-RFT grpo_classification.py: the one-line answer tag's content (else the response) and the label, without
+    spaces and underscores and lower-cased, are right when either contains the other; an empty answer pays 0 here."""
+    answers = ["<think>petals</think><answer>Pink Primrose</answer>", "<answer>pink_primrose flower</answer>",
+               "<answer>primrose</answer>", "<answer>rose</answer>", "it is a pink primrose",
+               "<answer>\npink primrose\n</answer>", "<answer></answer>", "<answer>sweet pea</answer>"]
+    n = len(answers)
+    # containment both ways pays a part of the name ("rose" is in "pinkprimrose"), as Visual-RFT's does; a multi-line
+    # tag is not found (no DOTALL), so the whole response is the answer and contains the label
+    assert virft_accuracy(answers, ["<answer>pink primrose</answer>"] * n) == [1, 1, 1, 1, 1, 1, 0, 0]
+    assert virft_accuracy(["<answer>daisy</answer>"], [""]) == [None]
+
+
 def test_geometry3k_reads_the_last_boxed_answer_as_easyr1():
     answers = ["<think>x^2 = 18</think> so x = \\boxed{3\\sqrt{2}}", "\\boxed{\\sqrt{18}}", "<answer>3\\sqrt{2}</answer>",
                "\\boxed{2} no, \\boxed{3\\sqrt{2}}", "\\boxed{4}"]
@@ -79,7 +104,7 @@ def test_superclevr_uses_r1v_regex():
 def test_refcoco_boxes_in_each_family_convention():
     gold, w, h = "[10, 8, 40, 28]", 64, 48
     grid = "<answer>[156, 167, 625, 583]</answer>"  # Qwen2-VL: the gold box on the 0..1000 grid
-    tokens = "<|box_start|>(156,167),(625,583)<|box_end|>"
+    tokens = "<answer><|box_start|>(156,167),(625,583)<|box_end|></answer>"
     assert refcoco_score([grid, tokens], [gold] * 2, width=[w] * 2, height=[h] * 2,
                          box_convention=["grid1000"] * 2) == [1, 1]
     # the same grid numbers read as pixels are outside the image; box tokens are always on the grid
@@ -96,13 +121,20 @@ def test_refcoco_boxes_in_each_family_convention():
 
 
 def test_refcoco_iou_threshold_and_answer_block():
+    """VLM-R1's test_rec_r1.py: the box is read from the first <answer> block only and pays when IoU > 0.5."""
     gold = "[0, 0, 10, 10]"
-    answers = ["[0, 0, 10, 5]", "[0, 0, 10, 4.9]", "<think>[0, 0, 1, 1]</think><answer>[0, 0, 10, 10]</answer>",
-               "no box", "[10, 10, 0, 0]", "[0, 0, 10, 10] [50, 50, 60, 60]"]
+    answers = ["<answer>[0, 0, 10, 5.1]</answer>", "<answer>[0, 0, 10, 5]</answer>",
+               "<think>[0, 0, 1, 1]</think><answer>[0, 0, 10, 10]</answer>", "<answer>no box</answer>",
+               "<answer>[10, 10, 0, 0]</answer>", "<answer>[0, 0, 10, 10] [50, 50, 60, 60]</answer>",
+               "[0, 0, 10, 10]", "<think>[0, 0, 10, 10]</think> no answer block",
+               '<answer>{"bbox_2d": [0, 0, 10, 10]}</answer> <answer>[50, 50, 60, 60]</answer>']
     n = len(answers)
-    # IoU 0.5 passes (>=), 0.49 fails; the think draft is ignored; an inverted box never pays; the first box counts
-    assert refcoco_score(answers, [gold] * n, width=[100] * n, height=[100] * n) == [1, 0, 1, 0, 0, 1]
-    assert predicted_box("[0.1, 0.2, 0.5, 0.6]", 100, 50, "normalized") == pytest.approx((10, 10, 50, 30))
+    # IoU 0.51 passes, exactly 0.5 fails (strict >); a box outside any <answer> block is no answer; an inverted box
+    # never pays; the first box of the first block counts
+    assert refcoco_score(answers, [gold] * n, width=[100] * n, height=[100] * n) == [1, 0, 1, 0, 0, 1, 0, 0, 1]
+    assert predicted_box("<answer>[0.1, 0.2, 0.5, 0.6]</answer>", 100, 50, "normalized") == pytest.approx(
+        (10, 10, 50, 30))
+    assert predicted_box("[0.1, 0.2, 0.5, 0.6]", 100, 50, "normalized") is None
 
 
 def test_vstar_option_letters():

@@ -63,7 +63,8 @@ def test_a_missing_split_or_column_and_an_unknown_key_name_the_fix(tmp_path):
     folder = str(hub_fixtures.geometry3k(tmp_path))
     with pytest.raises(DataError, match=r"has splits \['train', 'validation', 'test'\], not 'dev'"):
         build_dataset({"hub": folder, "split": "dev"}, "test", 0)
-    with pytest.raises(DataError, match=r"has no column 'solutions' \(its columns: \['images', 'problem', 'answer'\]\)"
+    with pytest.raises(DataError, match=r"has no column 'solutions' \(its columns: \['images', 'problem', 'answer', 'id', "
+                                        r"'choices', 'ground_truth'\]\)"
                                         r".*fix the 'columns' mapping"):
         build_dataset({"hub": folder, "split": "test", "columns": {"solution": "solutions"}}, "test", 0)
     with pytest.raises(DataError, match=r"unknown key 'column'; allowed keys"):

@@ -1,9 +1,11 @@
 """Geometry3K (test, 601 problems) in the EasyR1 setting.
 
-Source: Lu et al., "Inter-GPS", ACL 2021 (arXiv:2105.04165), as hiyouga/geometry3k packages it (columns `images`,
-`problem`, `answer`; splits train/validation/test); protocol: EasyR1 (github.com/hiyouga/EasyR1),
-examples/format_prompt/math.jinja (the prompt suffix below) and examples/reward_function/math.py (the answer is the
-last `\\boxed{}`, graded by mathruler's `grade_answer`). vlmrl grades the boxed answer with the `accuracy` reward's
+Source: Lu et al., "Inter-GPS", ACL 2021 (arXiv:2105.04165), as hiyouga/geometry3k packages it (read: `images`,
+`problem`, `answer`; the card also lists `id`, `choices`, `ground_truth`; splits train/validation/test of 2,101 /
+300 / 601 rows); protocol: EasyR1 (github.com/hiyouga/EasyR1), examples/format_prompt/math.jinja (math_format.jinja
+in v0.3.0: the prompt suffix below) and examples/reward_function/math.py (score_function/math.py in v0.3.0: the
+answer is the last `\\boxed{}`, graded by mathruler's `grade_answer`; the response first loses the whitespace around
+`<`, `>` and `/`). vlmrl grades the boxed answer with the `accuracy` reward's
 math check (normalised text, numbers, then math-verify), not mathruler; the `<image>` marker in `problem` is
 removed (vlmrl's processor places the image before the text, as EasyR1's chat template does for one image).
 """

@@ -1,14 +1,28 @@
-"""RefCOCO, RefCOCO+ and RefCOCOg referring-expression grounding: accuracy at IoU >= 0.5.
+"""RefCOCO, RefCOCO+ and RefCOCOg referring-expression grounding: accuracy at IoU > 0.5.
 
 Sources: Kazemzadeh et al., "ReferItGame", EMNLP 2014 and Yu et al., "Modeling Context in Referring Expressions",
 ECCV 2016 (RefCOCO, RefCOCO+); Mao et al., "Generation and Comprehension of Unambiguous Object Descriptions", CVPR
-2016 (RefCOCOg, umd split). Data: lmms-lab/RefCOCO, lmms-lab/RefCOCOplus, lmms-lab/RefCOCOg (one row per object:
-`image`, `answer` = its referring expressions, `bbox` = [x, y, w, h] in COCO pixels, `question_id`, `file_name`;
-splits val/test/testA/testB, RefCOCO+ val/testA/testB, RefCOCOg val/test). Protocol: VLM-R1
-(github.com/om-ai-lab/VLM-R1, src/eval/test_rec_r1.py), the REC protocol R1-style grounding papers report: the
-prompt below, the first box in the `<answer>` block (else the response), right when its IoU with the true box is
->= 0.5. As in the standard REC tables, every referring expression is one sample (a row with three expressions makes
-three samples), so counts match the published split sizes.
+2016 (RefCOCOg, umd split). Data: lmms-lab/RefCOCO, lmms-lab/RefCOCOplus, lmms-lab/RefCOCOg (their dataset cards:
+one row per object, `question_id` string, `image` Image, `question` string, `answer` = the object's referring
+expressions as a list of strings, `segmentation` and `bbox` = [x, y, w, h] in COCO pixels as lists of float32,
+`iscrowd` int8, `file_name` string; splits RefCOCO val 8,811 / test 5,000 / testA 1,975 / testB 1,810 rows, RefCOCO+
+val 3,805 / testA 1,975 / testB 1,798, RefCOCOg val 7,573 / test 5,023 rows in the current card).
+
+Protocol: VLM-R1 (github.com/om-ai-lab/VLM-R1, src/eval/test_rec_r1.py, checked at commit 90052f4): greedy decoding,
+256 new tokens, the question template "{Question} First output the thinking process in <think> </think> tags and
+then output the final answer in <answer> </answer> tags. Output the final answer in JSON format.", the box read
+from the `<answer>` block only (no block, no box: the sample is wrong), right when its IoU with the true box is
+> 0.5 (strictly). VLM-R1's `{Question}` is the `problem` field of its own annotation files (rec_jsons_processed,
+not in its repository); the wording used below, "Please provide the bounding box coordinate of the region this
+sentence describes: {expression}.", is that field as copies derived from those files show it (the VLM-R1 paper
+prints "coordinates"), not confirmed from the files themselves. Where vlmrl departs: VLM-R1's regex takes only a
+JSON object holding four integers; here any first box in the block counts (floats, a bare list, Qwen's box
+tokens), and IoU is the continuous one (VLM-R1 counts pixels inclusively, which differs by at most a pixel row).
+VLM-R1 reports a random 2,000 expressions (seed 42) of its own val files; vlmrl scores the whole split. As in the
+standard REC tables, every referring expression is one sample (a row with three expressions makes three samples);
+lmms-lab's testA/testB, RefCOCO+ val and RefCOCOg test rows match the published object counts, but its RefCOCO val
+(8,811) and RefCOCOg val (7,573) hold 5,000 rows more than the published 3,811 and 2,573 objects (unconfirmed why),
+so those splits do not reproduce the published sample counts.
 
 Box coordinates follow the model family (`box_convention`): Qwen2-VL and Qwen3-VL write boxes on a 0..1000 grid of
 the image (also as `<|box_start|>(x1,y1),(x2,y2)<|box_end|>`); Qwen2.5-VL writes absolute pixels of the image *as
@@ -19,6 +33,7 @@ families are read as pixels of the original image. The true box stays in the ori
 from __future__ import annotations
 
 import ast
+import re
 from typing import Any
 
 from vlmrl.data.files import RowError
@@ -27,11 +42,12 @@ from vlmrl.data.sample import format_box
 from vlmrl.eval.benchmarks.registry import Benchmark, register_benchmark
 from vlmrl.rewards.boxes import box_iou
 from vlmrl.rewards.columns import per_sample
-from vlmrl.rewards.parsing import box_is_valid, completion_text, extract_tag, parse_boxes, strip_think
+from vlmrl.rewards.parsing import box_is_valid, completion_text, parse_boxes
 
 PROMPT = ("Please provide the bounding box coordinate of the region this sentence describes: {expression}. First output "
           "the thinking process in <think> </think> tags and then output the final answer in <answer> </answer> tags. "
           "Output the final answer in JSON format.")
+_ANSWER_BLOCK = re.compile(r"<answer>(.*?)</answer>", re.S)  # the first block, as VLM-R1's re.search
 GRID = 1000.0
 FAMILY_CONVENTIONS = {"qwen2_vl": "grid1000", "qwen3_vl": "grid1000", "qwen3_vl_moe": "grid1000",
                       "qwen2_5_vl": "input_pixels"}
@@ -92,11 +108,14 @@ def input_size(policy: Any, width: int, height: int) -> tuple[int, int]:
 
 def predicted_box(text: str, width: float, height: float, convention: str, input_width: float | None = None,
                   input_height: float | None = None) -> tuple[float, float, float, float] | None:
-    """The first box of a response in original-image pixels, by the model's convention; None without one."""
+    """The first box of a response's first `<answer>` block in original-image pixels, by the model's convention;
+    None without a block or a box in it (VLM-R1's `extract_bbox_answer` reads that block only)."""
     if convention not in CONVENTIONS:
         raise ValueError(f"box_convention={convention!r}: expected one of {CONVENTIONS}")
-    region = extract_tag(text)
-    region = strip_think(text) if region is None else region
+    block = _ANSWER_BLOCK.search(text)
+    if block is None:
+        return None
+    region = block.group(1).strip()
     boxes = parse_boxes(region, coords="normalized")  # raw numbers; Qwen's box tokens as 0..1 fractions
     if not boxes:
         return None
@@ -115,8 +134,8 @@ def predicted_box(text: str, width: float, height: float, convention: str, input
 def score(completions: list, solution: list, *, width: list, height: list, box_convention: list | str = "pixels",
           input_width: list | None = None, input_height: list | None = None, threshold: float = 0.5,
           **_: Any) -> list[float | None]:
-    """1.0 when the first predicted box has IoU >= `threshold` with the true box, else 0.0; None for a sample whose
-    true box does not parse."""
+    """1.0 when the first box of the answer block has IoU > `threshold` with the true box (VLM-R1's strict test),
+    else 0.0; None for a sample whose true box does not parse."""
     n = len(completions)
     conventions = per_sample(box_convention, n, "pixels")
     iws, ihs = per_sample(input_width, n, None), per_sample(input_height, n, None)
@@ -128,19 +147,20 @@ def score(completions: list, solution: list, *, width: list, height: list, box_c
             continue
         w, h = float(width[i]), float(height[i])
         box = predicted_box(completion_text(text), w, h, conventions[i], iws[i], ihs[i])
-        ok = box is not None and box_is_valid(box, w, h) and box_iou(box, truth[0]) >= threshold
+        ok = box is not None and box_is_valid(box, w, h) and box_iou(box, truth[0]) > threshold
         out.append(float(ok))
     return out
 
 
-_SOURCE = "VLM-R1 src/eval/test_rec_r1.py (REC, Acc@IoU 0.5); "
+_SOURCE = "VLM-R1 src/eval/test_rec_r1.py (REC, Acc@IoU > 0.5); "
 for _name, _hub, _split, _paper in (
         ("refcoco", "lmms-lab/RefCOCO", "val", "Kazemzadeh et al. EMNLP 2014; Yu et al. ECCV 2016"),
         ("refcoco+", "lmms-lab/RefCOCOplus", "val", "Yu et al. ECCV 2016"),
         ("refcocog", "lmms-lab/RefCOCOg", "val", "Mao et al. CVPR 2016 (umd split)")):
     register_benchmark(Benchmark(
         name=_name, hub=_hub, split=_split, adapt=adapt, score=score, prepare=prepare,
-        columns=("question_id", "image", "answer", "bbox"), answer_type="box", max_new_tokens=1024,
+        columns=("question_id", "image", "answer", "bbox"), answer_type="box", max_new_tokens=256,
         source=_SOURCE + _paper,
-        notes="one sample per referring expression; boxes read in the model family's coordinate convention",
+        notes="one sample per referring expression, the whole split (VLM-R1: 2,000 sampled); boxes read from the "
+              "answer block in the model family's coordinate convention",
     ))

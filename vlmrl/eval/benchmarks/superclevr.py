@@ -3,9 +3,12 @@
 Source: R1-V (github.com/Deep-Agent/R1-V), src/eval/test_qwen2vl_counting_superclevr.py with
 prompts/superclevr_test200_counting_problems.jsonl (`image_path`, `question`, `ground_truth`): greedy decoding, 256
 new tokens, the question followed by the template below, the answer the first integer inside `<answer>...</answer>`
-(`<answer>\\s*(\\d+)\\s*</answer>`), right when it equals `ground_truth`. The dataset form read here is that file
-with its images embedded (`image`, `question`, `ground_truth`; split test), as jigsaw-r1/super_clevr packages it. Images: Li et
-al., "Super-CLEVR", CVPR 2023.
+(`<answer>\\s*(\\d+)\\s*</answer>`), right when it equals `ground_truth` (all checked at R1-V commit bbbbe3d). The
+dataset form read here is that file with its images, as jigsaw-r1/super_clevr packages it: one parquet file as split
+test, with the columns `image`, `question`, `ground_truth` that Jigsaw-R1's utils/utils.py reads. Its feature types
+are unconfirmed (the card lists no features, only a text modality: `image` may hold encoded bytes, which vlmrl
+reads, and `ground_truth` an integer or its text, both accepted here), as is its row count (under 1K on the card).
+Images: Li et al., "Super-CLEVR", CVPR 2023.
 """
 
 from __future__ import annotations

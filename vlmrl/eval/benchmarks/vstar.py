@@ -4,8 +4,10 @@ Source: Wu and Xie, "V*: Guided Visual Search as a Core Mechanism in Multimodal 
 data craigwu/vstar_bench: test_questions.jsonl (split test: `image` = the image's path in the repository, e.g.
 direct_attributes/sa_4690.jpg, `text` = the question with its options "(A) ..." and the instruction "Answer with the
 option's letter from the given choices directly.", `category` = direct_attributes or relative_position,
-`question_id`, `label` = the right letter) beside the image folders. The images are read from the repository
-(`image_root="repo"`: the hub snapshot, or the folder `vlmrl data fetch craigwu/vstar_bench --files` wrote).
+`question_id`, `label` = the right letter, added to the hub copy in May 2024 by its pull request #3; 191 rows) beside
+the image folders. The column names are those consumers of the file read; the `text` wording is unconfirmed. The
+images are read from the repository (`image_root="repo"`: the hub snapshot, or the folder
+`vlmrl data fetch craigwu/vstar_bench --files` wrote).
 
 Protocol: the `text` column is the prompt; the answer is the option letter the response names (in the `<answer>`
 block when there is one), right when it is `label`. V*'s own script (vstar_bench_eval.py) scores open models by
