@@ -22,7 +22,7 @@ TINY = ["model.name_or_path=tiny", "model.device=cpu", "model.dtype=float32", "m
         "model.tiny.vision_depth=1", "model.tiny.vision_dim=32", "model.tiny.vision_heads=2",
         "model.tiny.vocab_size=400", "model.tiny.min_pixels=3136", "model.tiny.max_pixels=7056",
         "rollout.engine=hf", "rollout.prompts_per_step=2", "rollout.max_new_tokens=16", "trainer.steps=2",
-        "trainer.minibatches=1", "trainer.micro_batch=0", "trainer.distributed=none", "trainer.eval_every=0",
+        "trainer.warmup_steps=0", "trainer.minibatches=1", "trainer.micro_batch=0", "trainer.distributed=none", "trainer.eval_every=0",
         "trainer.save_every=0", "trainer.threads=1", "trainer.tensorboard=false", "eval.max_new_tokens=16",
         "eval.samples=1", "eval.temperatures=[0.0]", "eval.batch_size=8", "data.eval.n=2"]
 
