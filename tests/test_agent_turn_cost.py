@@ -119,3 +119,71 @@ def _forgetful_init(init):
         self.suffixes, self.scaffold_ids, self.first_with_pixels = Forgets(), Forgets(), Forgets()
 
     return forgetful
+
+
+def test_length_buckets_pad_least():
+    from vlmrl.models.prefill import length_buckets
+
+    lengths = [90, 20, 22, 21, 88, 20]
+    assert length_buckets(lengths, call_tokens=10) == [[1, 5, 3, 2], [4, 0]]  # 4 x 22 + 2 x 90 + 2 x 10
+    assert length_buckets(lengths, call_tokens=1000) == [[1, 5, 3, 2, 4, 0]]  # one call, when calls cost more
+    assert length_buckets([5] * 4, call_tokens=0) == [[0, 1, 2, 3]]
+    assert sorted(i for b in length_buckets(list(range(40, 0, -1)), call_tokens=0) for i in b) == list(range(40))
+    assert len(length_buckets(list(range(40)), call_tokens=0)) == 4  # at most MAX_BUCKETS
+
+
+def test_tails_prefilled_in_buckets_give_the_same_trajectories(policy, count_samples, monkeypatch):
+    """Observations of very different lengths (so a later turn's tails are cut into buckets), per-row budgets that
+    bind and trajectories that end at different turns: the rollout is the same, bit for bit (tokens, log-probs,
+    truncation, texts), as with every tail in one call."""
+    import vlmrl.models.prefill as prefill
+    from vlmrl.agent.env import Observation
+
+    head, eos = policy.family.lm_head, policy.eos_token_ids[0]
+
+    def ends_sometimes(hidden):  # turns of a few tokens to a few dozen
+        logits = head(hidden)
+        logits[..., eos] += 5.0
+        return logits
+
+    monkeypatch.setattr(policy.family, "lm_head", ends_sometimes)
+    samples = count_samples[:4]
+
+    class Talk:  # some environments answer at length, some briefly, with an image now and then
+        def __init__(self, sample, tools, context):
+            self.n, self.long = 0, sample["id"] in (samples[0]["id"], samples[2]["id"])
+
+        def step(self, message):
+            self.n += 1
+            if self.n == 3 and not self.long:
+                return Observation(done=True)  # the short ones end after three turns, the long ones run out of room
+            text = "look " * (30 if self.long else 1)
+            image = Image.new("RGB", (56, 56), (40 * self.n, 90, 160))
+            blocks = [{"type": "text", "text": text}] + ([{"type": "image", "image": image}] if self.n == 1 else [])
+            return Observation(blocks)
+
+    limits = AgentLimits(max_turns=4, turn_tokens=12, max_total_tokens=120, max_images=2)
+    calls, bucketed = [], prefill.bucketed_tails
+
+    def counted(*args, **kwargs):
+        out = bucketed(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    def run():
+        return agent_rollout(policy, make_prompts(policy, samples), samples, 3, limits, {}, Talk, 1.0,
+                             prompt_seeds=[11, 12, 13, 14], max_pixels=56 * 56).rollout
+
+    monkeypatch.setattr(prefill, "CALL_TOKENS", 0)  # buckets whenever they pad less
+    monkeypatch.setattr(prefill, "bucketed_tails", counted)
+    cheap = run()
+    assert any(calls), calls  # the later turns ran in buckets
+    monkeypatch.setattr(prefill, "bucketed_tails", lambda *args, **kwargs: None)
+    plain = run()
+    for field in ("completion_ids", "completion_mask", "logprobs", "truncated"):
+        assert torch.equal(getattr(cheap, field), getattr(plain, field)), field
+    assert cheap.texts == plain.texts
+    turns = cheap.columns["num_turns"]
+    assert len(set(turns)) > 1 and cheap.truncated.any() and not cheap.truncated.all(), (turns, cheap.truncated)
+    errors = [e for ep in cheap.columns["turns"] for t in ep for e in t["errors"]]
+    assert "budget" in errors  # a row's own budget ended it

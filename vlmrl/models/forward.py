@@ -197,6 +197,7 @@ class SharedPrefill(NamedTuple):
     first: Tensor  # [N, H] the hidden state of each row's last prompt token (predicts its tail's first token)
     tail: Tensor | None  # [N, width, H] the hidden states of each row's first `width` tail tokens
     attention_mask: Tensor  # [N, P + width] the cache's columns: the prompt (left-padded), the tail (right-padded)
+    last: Tensor | None = None  # [N, H] each row's last tail token's hidden state, when `tail` is not kept
 
 
 def shared_prefill(family, batch: ConversationBatch, conversation: PromptEmbeds, width: int,
@@ -206,7 +207,8 @@ def shared_prefill(family, batch: ConversationBatch, conversation: PromptEmbeds,
     observations, image features in place, at the positions its whole row has) after them. `conversation` holds
     every row's embeddings and positions (`family.prompt_embeds(batch)`, no extras); `reserve`: columns the cache
     keeps free after the tail (generation's answer budget). The same math as running every whole row; rounding
-    differs."""
+    differs. Generation (`reserve`, no gradient) runs the tails in buckets of similar length
+    (`vlmrl.models.prefill.bucketed_tails`): the same values bit for bit, with `last` in place of `tail`."""
     from vlmrl.models.kv_cache import select_rows  # transformers' cache classes, as family.new_cache
 
     device = conversation.embeds.device
@@ -229,11 +231,18 @@ def shared_prefill(family, batch: ConversationBatch, conversation: PromptEmbeds,
     if width > 0:
         j = torch.arange(width, device=device)[None]
         cols = (full - c[:, None] + j).clamp(max=full - 1)
+        embeds = conversation.embeds.gather(1, cols[..., None].expand(-1, -1, hid))
+        positions = conversation.position_ids.gather(2, cols[None].expand(3, -1, -1))
+        if reserve:  # generation: tails of similar length together, when that pads less
+            from vlmrl.models.prefill import bucketed_tails
+
+            out = bucketed_tails(family, cache, rows, mask, embeds, positions, list(batch.completion_tokens), reserve)
+            if out is not None:
+                return SharedPrefill(out[0], last.index_select(0, rows), None, out[1], out[2])
         tail_mask = (j < c[:, None]).to(p_mask.dtype)
         select_rows(cache, rows)
         mask = torch.cat([mask, tail_mask], dim=1)
-        tail = family.forward_hidden(conversation.embeds.gather(1, cols[..., None].expand(-1, -1, hid)), mask,
-                                     conversation.position_ids.gather(2, cols[None].expand(3, -1, -1)), cache)
+        tail = family.forward_hidden(embeds, mask, positions, cache)
     return SharedPrefill(cache, last.index_select(0, rows), tail, mask)
 
 

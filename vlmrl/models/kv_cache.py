@@ -27,6 +27,9 @@ class ReservedLayer(DynamicLayer):
         super().__init__(**kwargs)
         self.reserve = reserve
         self.length = 0
+        # attention reads at least this many columns (the ones past `length` hold zeros and are masked out): a prefill
+        # of short rows then sums over as many keys as a longer call would (vlmrl.models.prefill)
+        self.view_at_least = 0
         self.key_buffer: torch.Tensor | None = None
         self.value_buffer: torch.Tensor | None = None
 
@@ -35,8 +38,12 @@ class ReservedLayer(DynamicLayer):
         self.is_initialized = True
 
     def _view(self) -> None:
-        self.keys = self.key_buffer[:, :, :self.length]
-        self.values = self.value_buffer[:, :, :self.length]
+        columns = max(self.length, self.view_at_least)
+        self.keys = self.key_buffer[:, :, :columns]
+        self.values = self.value_buffer[:, :, :columns]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(self.length + query_length, self.view_at_least), 0
 
     def _allocate(self, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         def grown(old: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:

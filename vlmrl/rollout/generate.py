@@ -184,7 +184,8 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
         shared = shared_prefill(family, prompts, pe, width, reserve=max_new_tokens)
         cache, base_mask = shared.cache, shared.attention_mask
         last = torch.tensor(prompts.completion_tokens, device=pe.embeds.device) - 1
-        hidden = shared.tail[torch.arange(len(prompts), device=last.device), last] if width else shared.first
+        hidden = shared.first if not width else shared.last if shared.last is not None else \
+            shared.tail[torch.arange(len(prompts), device=last.device), last]
     else:
         cache, base_mask = family.new_cache(reserve=max_new_tokens), pe.attention_mask
         hidden = family.forward_hidden(pe.embeds, pe.attention_mask, pe.position_ids, cache, pe.extras)[:, -1]
