@@ -1,11 +1,12 @@
 """Every algorithm on the quickstart task from the same SFT start: held-out accuracy before and after RL, over seeds.
 
     python benchmarks/algorithms.py --seeds 0 1 2 --steps 200 --jobs 2
+    python benchmarks/algorithms.py --smoke --out DIR     # seconds: 1 seed, 2 steps, a very small model
 
 Per seed, the quickstart's SFT warm-start runs once (`trainer.steps=0`) and its checkpoint-0 is the start of every
 algorithm (`model.name_or_path=.../checkpoint-0 sft.steps=0`), so the rows differ only in the algorithm. Each run
 uses one torch thread; `--jobs` runs that many at once. Prints a markdown table for BENCHMARKS.md and writes the raw
-numbers to benchmarks/results/algorithms.json.
+numbers to benchmarks/results/algorithms.json (--results).
 """
 
 from __future__ import annotations
@@ -20,15 +21,21 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke import SMOKE  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+EXTRA: list[str] = []  # overrides every run gets (--smoke: SMOKE)
 ALGORITHMS = ["grpo", "grpo_kl", "dr_grpo", "dapo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_single",
               "remax", "ppo", "dpo_online", "dpo_offline"]
 
 
 def vlmrl_train(args: list[str]) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "vlmrl", "train", *args, "trainer.threads=1"], cwd=ROOT, check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.run([sys.executable, "-m", "vlmrl", "train", *args, *EXTRA, "trainer.threads=1"], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise SystemExit(f"vlmrl train {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
 
 
@@ -76,7 +83,14 @@ def main() -> None:
     p.add_argument("--algorithms", nargs="+", default=ALGORITHMS)
     p.add_argument("--out", default="/tmp/vlmrl-bench/algorithms")
     p.add_argument("--tables-only", action="store_true", help="print the table from the finished runs in --out")
+    p.add_argument("--results", default=str(ROOT / "benchmarks/results/algorithms.json"))
+    p.add_argument("--smoke", action="store_true", help="the smallest mode (tests/test_benchmarks.py): seed 0, 2 "
+                                                        "steps, grpo and dpo_offline, a very small model")
     args = p.parse_args()
+    if args.smoke:
+        args.seeds, args.steps = [0], 2
+        args.algorithms = args.algorithms if args.algorithms != ALGORITHMS else ["grpo", "dpo_offline"]
+        EXTRA.extend(SMOKE)
     out = Path(args.out)
     with ThreadPoolExecutor(1 if args.tables_only else args.jobs) as pool:
         starts = dict(zip(args.seeds, pool.map(lambda s: sft_start(s, out), args.seeds), strict=True))
@@ -96,8 +110,8 @@ def main() -> None:
               f"{fmt(gains)} | {sum(g > 0 for g in gains)}/{len(gains)} | "
               f"{', '.join(f'{100 * g:.1f}' for g in (r['greedy'] for r in rows))} | "
               f"{statistics.mean(r['wall_seconds'] for r in rows):.0f} s |")
-    (ROOT / "benchmarks/results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "benchmarks/results/algorithms.json").write_text(
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(
         json.dumps({"starts": {s: v[1] for s, v in starts.items()}, "runs": results, "steps": args.steps}, indent=1))
 
 

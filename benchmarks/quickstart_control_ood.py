@@ -79,6 +79,7 @@ def main() -> None:
     p.add_argument("--tables-only", action="store_true", help="print the tables of an existing --out sweep root")
     p.add_argument("--runs", nargs="+", help="with --tables-only: aggregate these run directories or sweep roots "
                                             "instead (e.g. seeds finished by separate sweeps)")
+    p.add_argument("--results", default=str(ROOT / "benchmarks/results/quickstart_control_ood.json"))
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     root = Path(args.out)
@@ -94,9 +95,8 @@ def main() -> None:
         subprocess.run([sys.executable, "-m", "vlmrl", "report", str(root)], cwd=ROOT, check=True)
     seeds = json.loads((root / "seeds.json").read_text()) if not args.runs else seeds_of_runs(args.runs)
     print(tables(seeds))
-    results = ROOT / "benchmarks/results"
-    results.mkdir(parents=True, exist_ok=True)
-    (results / "quickstart_control_ood.json").write_text(json.dumps(seeds, indent=1))
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps(seeds, indent=1))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
     python benchmarks/training_strategies.py --seeds 0 1 2 --steps 200 --jobs 2
     python benchmarks/training_strategies.py --seeds 0 1 2 --steps 200 --tables-only
+    python benchmarks/training_strategies.py --smoke --out DIR     # seconds: 1 seed, 2 steps, a very small model
 
 Per seed, one SFT warm-start on two tasks: 300 counting and 300 colour labels (`trainer.steps=0`). It is evaluated on
 both held-out sets: 600 counting and 300 colour scenes. From its checkpoint-0 every arm runs the quickstart's RL
@@ -13,7 +14,7 @@ both held-out sets: 600 counting and 300 colour scenes. From its checkpoint-0 ev
 
 Each run uses one torch thread; `--jobs` runs that many at once. Finished runs are not repeated. Prints a markdown
 table for BENCHMARKS.md: counting accuracy (the RL task), colour accuracy (forgetting), the share of trained groups
-that carried a signal, and wall time. Raw numbers go to benchmarks/results/training_strategies.json.
+that carried a signal, and wall time. Raw numbers go to benchmarks/results/training_strategies.json (--results).
 """
 
 from __future__ import annotations
@@ -28,7 +29,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke import SMOKE  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
+EXTRA: list[str] = []  # overrides every run gets (--smoke: SMOKE, with two small tasks)
 # the quickstart's RL as these arms were measured (before it skipped solved prompts and took 6 resampling rounds)
 AS_MEASURED = ["curriculum.filter_solved=false", "algorithm.max_resample_rounds=3"]
 TASKS = [*AS_MEASURED, "data.sft=[{task: shapes_count, n: 300}, {task: shapes_color, n: 300}]",
@@ -44,8 +49,10 @@ COUNT, COLOR = "greedy/task/shapes_count/accuracy", "greedy/task/shapes_color/ac
 
 def vlmrl_train(args: list[str]) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "vlmrl", "train", "recipes/quickstart.yaml", *TASKS, *args,
-                    "trainer.threads=1"], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.run([sys.executable, "-m", "vlmrl", "train", "recipes/quickstart.yaml", *TASKS, *EXTRA, *args,
+                           "trainer.threads=1"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if proc.returncode:
+        raise SystemExit(f"vlmrl train {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return time.perf_counter() - t0
 
 
@@ -100,7 +107,15 @@ def main() -> None:
     p.add_argument("--replay-weight", type=float, default=0.1)
     p.add_argument("--out", default="/tmp/vlmrl-bench/training-strategies")
     p.add_argument("--tables-only", action="store_true", help="print the table from the finished runs in --out")
+    p.add_argument("--results", default=str(ROOT / "benchmarks/results/training_strategies.json"))
+    p.add_argument("--smoke", action="store_true", help="the smallest mode (tests/test_benchmarks.py): seed 0, 2 "
+                                                        "steps, every arm, a very small model and data")
     args = p.parse_args()
+    if args.smoke:
+        args.seeds, args.steps = [0], 2
+        EXTRA.extend([o for o in SMOKE if not o.startswith(("data.sft", "data.eval"))])
+        EXTRA.extend(["data.sft=[{task: shapes_count, n: 8}, {task: shapes_color, n: 8}]",
+                      "data.eval=[{task: shapes_count, n: 8}, {task: shapes_color, n: 8}]"])
     out = Path(args.out)
     with ThreadPoolExecutor(1 if args.tables_only else args.jobs) as pool:
         starts = dict(zip(args.seeds, pool.map(lambda s: sft_start(s, out), args.seeds), strict=True))
@@ -121,8 +136,8 @@ def main() -> None:
               f"{fmt([r['color'] - c for r, c in zip(rs, color0, strict=True)])} | "
               f"{fmt([r['trained_with_signal'] for r in rs])} | "
               f"{statistics.mean(r['wall_seconds'] for r in rs):.0f} s |")
-    (ROOT / "benchmarks/results").mkdir(parents=True, exist_ok=True)
-    (ROOT / "benchmarks/results/training_strategies.json").write_text(json.dumps(
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps(
         {"starts": {s: v[1] for s, v in starts.items()}, "runs": results, "steps": args.steps,
          "replay_weight": args.replay_weight}, indent=1))
 

@@ -40,6 +40,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from smoke import SMOKE  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks/results"
 # what TRL's GRPOTrainer lacks, turned off in vlmrl (trl_grpo_worker.unmatched refuses a recipe that keeps any):
@@ -47,11 +50,6 @@ RESULTS = ROOT / "benchmarks/results"
 # the quickstart's RL (clip-higher 0.2/0.28, truncated answers masked, token-mean, beta 0) both sides have
 MATCHED = ["algorithm.dynamic_sampling=false", "curriculum.filter_solved=false",
            "rewards=[{name: accuracy, weight: 1.0}]"]
-# --smoke: seconds, not minutes: a very small model, data and batch; every stage of the benchmark still runs
-SMOKE = ["model.tiny.hidden_size=32", "model.tiny.num_heads=2", "model.tiny.num_kv_heads=1",
-         "model.tiny.intermediate_size=64", "model.tiny.vision_dim=32", "model.tiny.vision_heads=2",
-         "model.tiny.vocab_size=400", "data.train.n=32", "data.sft.n=8", "data.eval.n=8", "sft.steps=2",
-         "sft.batch_size=4", "rollout.prompts_per_step=2", "rollout.group_size=2"]
 
 
 def run_measured(cmd: list[str], log: Path, threads: int) -> dict:

@@ -2,6 +2,7 @@
 
     python benchmarks/vocab_memory.py --code before=/tmp/vlmrl_before --code after=. --tokens 12 48 192
     python benchmarks/vocab_memory.py --code before=/tmp/vlmrl_before --code after=. --quickstart
+    python benchmarks/vocab_memory.py --code now=. --smoke          # the smallest mode, a test's
 
 Builds a checkpoint folder laid out like the hub's Qwen2.5-VL-3B-Instruct (`vlmrl.models.hub_fixture`: the real Qwen
 tokenizer, chat template and preprocessor config, 151,936-row embedding, ~20M random parameters), then for each code
@@ -73,7 +74,14 @@ def main(argv: list[str]) -> int:
     p.add_argument("--quickstart", action="store_true", help="the quickstart (shortened) instead of the hub folder")
     p.add_argument("--quickstart-steps", type=int, default=100)
     p.add_argument("--out", default=None, help="write the results as JSON here")
+    p.add_argument("--smoke", action="store_true", help="the smallest mode (tests/test_benchmarks.py): 2 steps of "
+                                                        "2 prompts x 2 answers, 12 new tokens, 1 thread")
     a = p.parse_args(argv)
+    extra = []  # --smoke: a small batch, no resampling, few prompts (the 151,936-token vocabulary stays)
+    if a.smoke:
+        a.tokens, a.steps, a.threads, a.quickstart_steps = [12], 2, 1, 2
+        extra = ["rollout.prompts_per_step=2", "rollout.group_size=2", "algorithm.dynamic_sampling=false",
+                 "data.train.n=32", "data.sft.n=8", "sft.steps=2", "data.eval.n=4", "eval.batch_size=4"]
     codes = [(c.split("=", 1)[0], Path(c.split("=", 1)[1]).resolve()) for c in a.code]
     envs: dict[str, dict] = {}
     for item in a.env:
@@ -82,7 +90,7 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="vocab_memory_"))
     results = []
     if a.quickstart:
-        args = [f"trainer.steps={a.quickstart_steps}", "trainer.eval_every=0", "trainer.seed=0"]
+        args = [f"trainer.steps={a.quickstart_steps}", "trainer.eval_every=0", "trainer.seed=0", *extra]
         for name, code in codes:
             r = run_train(code, args, work / f"quickstart-{name}", a.limit_gb, a.threads, envs.get(name))
             results.append({"code": name, "run": "quickstart", **r})
@@ -100,7 +108,7 @@ def main(argv: list[str]) -> int:
             for name, code in codes:
                 args = [f"model.name_or_path={folder}", "sft.steps=0", f"trainer.steps={a.steps}",
                         f"rollout.max_new_tokens={tokens}", "trainer.eval_every=0", "data.eval.n=16",
-                        "eval.batch_size=16", "eval.max_new_tokens=12", "trainer.seed=0"]
+                        "eval.batch_size=16", "eval.max_new_tokens=12", "trainer.seed=0", *extra]
                 r = run_train(code, args, work / f"{name}-{tokens}", a.limit_gb, a.threads, envs.get(name))
                 results.append({"code": name, "max_new_tokens": tokens, **r})
                 print(json.dumps(results[-1]), flush=True)

@@ -15,6 +15,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from smoke import SMOKE  # noqa: E402
+
+# benchmarks/ files that are not benchmarks: shared code, tested through the scripts that use it
+HELPERS = {"load_driver.py", "smoke.py", "gpu_check_drift.py"}
+# benchmarks with tests of their own elsewhere
+TESTED_ELSEWHERE = {"gpu_check.py": "tests/test_gpu_check.py", "gpu_check_agent.py": "tests/test_gpu_check.py"}
 
 
 def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -49,7 +56,6 @@ def test_serve_hostile_load_smoke(tiny_model_dir, tmp_path):
 def load_script(name: str):
     """A benchmark script as a module (benchmarks/ on sys.path, as when it runs)."""
 
-    sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(name.removesuffix(".py"), BENCH / name)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -91,3 +97,89 @@ def test_trl_side_by_side_smoke(tmp_path):
     assert {r["system"] for r in report["runs"]} == {"vlmrl", "trl"} and "rollouts / s" in proc.stdout
     assert all(r["steps"] == 2 and r["rollouts"] == 8 for r in report["runs"])
     assert "algorithm.dynamic_sampling=false" in report["overrides"]
+
+
+# ---------------------------------------------------------------------------------------------- every other script
+@pytest.fixture(scope="module")
+def smoke_start(tmp_path_factory) -> Path:
+    """A quickstart SFT start of the smoke model (`vlmrl train trainer.steps=0`): its checkpoint-0."""
+    run = tmp_path_factory.mktemp("smoke_start") / "run"
+    proc = subprocess.run([sys.executable, "-m", "vlmrl", "train", "trainer.steps=0", "trainer.threads=1", *SMOKE,
+                           f"trainer.output_dir={run}"], capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run / "checkpoint-0"
+
+
+SMALLEST = {  # script: (its smallest arguments, what its output must show); START: the smoke start, OUT: a folder
+    "decode_attention.py": (["--threads", "1", "--repeats", "3"], "|"),
+    "decode_sharing.py": (["START", "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--repeats", "1"],
+                          "same tokens: True"),
+    "generate_cache.py": (["--checkpoint", "START", "--prompts", "2", "--group", "2", "--repeats", "1"], "|"),
+    "shared_prompt_forward.py": (["--prompts", "2", "--group", "2", "--new-tokens", "4", "--repeats", "1"], "|"),
+    "sft_step_speed.py": (["--reps", "1", "--steps", "2"], "SFT step"),
+    "data_memory.py": (["--code", "now=.", "--rows", "50", "--side", "32", "--n", "10"], "load + use"),
+    "mixed_answers_data.py": (["--out", "OUT", "--train", "4", "--sft", "2", "--test", "2"], "test.jsonl: 6 rows"),
+    "rl_step_walltime.py": (["START", "--steps", "1", "--out", "OUT/run", *SMOKE], "| IV update |"),
+    "profile_rl_step.py": (["START", "--steps", "1", "--out", "OUT/run", *SMOKE], "**whole step**"),
+}
+SLOW = {  # the sweeps and servers, 10-35 s each on a 2-core CPU: run with -m slow
+    "algorithms.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/algorithms.json"], "| dpo_offline |"),
+    "agentic_zoom.py": (["--seeds", "0", "--jobs", "1", "--out", "OUT/runs", "--results", "OUT/agentic_zoom.json",
+                         *SMOKE, "trainer.steps=2", "trainer.eval_every=0"], "| no tool |"),
+    "quickstart_seeds.py": (["--seeds", "0", "--threads", "1", "--control", "--out", "OUT/runs", "--results",
+                             "OUT/seeds.json", *SMOKE, "trainer.steps=2", "trainer.eval_every=0"], "mean ± std"),
+    "quickstart_control_ood.py": (["--seeds", "1", "--out", "OUT/runs", "--results", "OUT/ood.json", *SMOKE,
+                                   "trainer.steps=2", "trainer.eval_every=0", "eval.ood={ood_count: {task: "
+                                   "shapes_count, n: 8}, ood_size: {task: shapes_count, n: 8, size: [112, 140], "
+                                   "split: test}}"], "SFT control, same wall time"),
+    "reclip_vs_infonce.py": (["rl.steps=2", "warmup.steps=2", "warmup.batch_size=8", "rl.batch_size=8",
+                              "rl.candidates=4", "rl.bank_size=16", "data.train.n=16", "data.eval.n=8", "--seeds", "0",
+                              "--arms", "infonce", "reclip", "negclip", "--out", "OUT/results.json"], "+ NegCLIP"),
+    "reward_overhead.py": (["--reps", "1", "--math-reps", "1"], "math-verify"),
+    "training_strategies.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/strategies.json"], "| replay |"),
+    "serve_chat_load.py": (["--requests", "2", "2", "2", "--max-seconds", "10"], "batching"),
+    "serve_search_load.py": (["--images", "8", "--train", "16", "--steps", "2", "--requests", "4", "--concurrency",
+                              "1", "--max-seconds", "10"], "held-out caption"),
+    "vocab_memory.py": (["--code", "now=.", "--smoke", "--limit-gb", "8"], "151,936-token vocabulary"),
+    "off_policy.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/off_policy.json"], "on-policy (sync)"),
+    "torchrun_parity.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/parity.json"], "torchrun x2"),
+}
+OWN_TESTS = {"serve_hostile_load.py", "trl_side_by_side.py", "trl_grpo_worker.py", "agent_step_cost.py"}
+
+
+def run_smallest(name: str, spec: tuple[list[str], str], start: Path | None, out: Path) -> None:
+    args = [str(start) if a == "START" else a.replace("OUT", str(out)) for a in spec[0]]
+    proc = run_script(name, *args)
+    assert spec[1] in proc.stdout, proc.stdout[-3000:]
+
+
+def test_every_benchmark_has_a_smallest_mode_a_test_runs():
+    scripts = {p.name for p in BENCH.glob("*.py")} - HELPERS - set(TESTED_ELSEWHERE)
+    untested = scripts - set(SMALLEST) - set(SLOW) - OWN_TESTS
+    assert not untested, f"benchmarks without a smallest mode in a test: {sorted(untested)}"
+
+
+@pytest.mark.parametrize("name", sorted(SMALLEST))
+def test_benchmark_runs_in_its_smallest_mode(name, tmp_path, request):
+    start = request.getfixturevalue("smoke_start") if "START" in SMALLEST[name][0] else None
+    run_smallest(name, SMALLEST[name], start, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(SLOW))
+def test_slower_benchmark_runs_in_its_smallest_mode(name, tmp_path):
+    run_smallest(name, SLOW[name], None, tmp_path)
+
+
+@pytest.mark.slow  # ~12 s: an agentic SFT start, then both arms
+def test_agent_step_cost_smallest(tmp_path):
+    """The agent's step cost needs an SFT start of the agentic recipe (the zoom tool's demonstrations)."""
+    run = tmp_path / "start"
+    proc = subprocess.run([sys.executable, "-m", "vlmrl", "train", "recipes/agentic_zoom.yaml", *SMOKE,
+                           "trainer.steps=0", "trainer.threads=1", f"trainer.output_dir={run}"], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = run_script("agent_step_cost.py", str(run / "checkpoint-0"), "--steps", "1", "--threads", "1", "--out",
+                     str(tmp_path / "runs"), *SMOKE)
+    assert "step time ratio tool / no tool" in out.stdout
