@@ -1,9 +1,12 @@
 """What a turn costs, and that the ways of making it cheaper change nothing: the renderer's memory of what repeats
-within a rollout call (vlmrl.agent.render.TurnRenderer) gives the ids, tokens and tensors it replaces, bit for bit,
-and an image with the pixels of an earlier one keeps its own image key (so the vision tower and its gradients run
-exactly as before)."""
+within a rollout call (vlmrl.agent.render.TurnRenderer) gives the ids, tokens and tensors it replaces, bit for bit;
+an image with the pixels of an earlier one keeps its own image key in training (so the vision tower and its
+gradients run exactly as before) and shares the earlier one's in generation (the tower once for both, the same
+features); a later turn's tails prefilled in buckets of similar length give the same trajectories bit for bit."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from PIL import Image
@@ -66,7 +69,7 @@ def test_a_group_that_zooms_on_one_cell_processes_its_image_once(policy, count_s
 
     def fake_generate(policy_, prompts, group_size, max_new_tokens, *args, **kwargs):
         messages = script[len(calls_by_turn)]
-        calls_by_turn.append(len(messages))
+        calls_by_turn.append(prompts)
         seqs = [tok(m, add_special_tokens=False)["input_ids"] + [eos] for m in messages]
         ids = torch.tensor(seqs)
         return Rollout(torch.arange(len(seqs)), ids, torch.ones_like(ids), torch.zeros(ids.shape),
@@ -82,16 +85,30 @@ def test_a_group_that_zooms_on_one_cell_processes_its_image_once(policy, count_s
         return agent_rollout(policy, make_prompts(policy, samples), samples, 4, limits, BUILTIN_TOOLS,
                              ToolEnvironment, 1.0, max_pixels=84 * 84).rollout
 
-    calls_by_turn: list[int] = []
+    calls_by_turn: list = []
     processed = counting_process_images(monkeypatch, proc)
     cheap = run()
     zoom_images = [n for n in processed[1:] if n]  # (the first call is the prompt's image)
     assert sum(zoom_images) == 1, processed
+    family = policy.family
+
+    def tower_runs(batch):
+        before = family.vision_calls
+        with torch.no_grad():
+            embeds = family.prompt_embeds(batch).embeds
+        return family.vision_calls - before, embeds
+
+    # the second turn's generation batch: the board once, the four equal zoomed images once, and each row's
+    # embeddings exactly those of running every image
+    turn_batch = calls_by_turn[1]
+    runs, embeds = tower_runs(turn_batch)
+    every_image = dataclasses.replace(turn_batch, image_keys=[None] * len(turn_batch.image_tokens))
+    runs_all, embeds_all = tower_runs(every_image)
+    assert (runs, runs_all) == (1 + 1, 8) and torch.equal(embeds, embeds_all)
+    # the training conversation: each zoomed image its own key, so the tower (and its gradients) as before
     context = cheap.context
     assert context.images_per_prompt == [2] * 4 and len(set(context.image_keys[1::2])) == 4
-    vision_calls = policy.family.vision_calls
-    policy.family.prompt_embeds(context)
-    assert policy.family.vision_calls - vision_calls == 1 + 4  # the board once per group, each zoom image once
+    assert tower_runs(context)[0] == 1 + 4  # the board once per group, each zoom image once
 
     monkeypatch.setattr(TurnRenderer, "processed_images", lambda self, images: proc.processed_images(images))
     monkeypatch.setattr(TurnRenderer, "__init__", _forgetful_init(TurnRenderer.__init__))

@@ -66,8 +66,10 @@ class TurnRenderer:
     template's suffix per sequence of block kinds (the texts are slots), the ids of each scaffold text, and the
     processed tensors of an image whose pixels equal an earlier image's (a group's trajectories that zoom on the
     same cell get equal images as distinct objects: preprocessing took ~1.6 ms per image, the template ~0.4 ms per
-    observation). An image matched that way still gets its own image key, so what runs through the vision tower,
-    and how its gradients add up, is what it was."""
+    observation). An image matched that way still gets its own image key, so what runs through the vision tower in
+    training, and how its gradients add up, is what it was; `same_pixels` maps its key to the first image's, which
+    the turns' generation batches use instead (no gradient there: the tower runs once for both, and gives each
+    image the features it would give it alone)."""
 
     def __init__(self, processor: VLProcessor):
         self.processor = processor
@@ -76,6 +78,7 @@ class TurnRenderer:
         self.suffixes: dict[tuple[bool, ...], str] = {}  # per observation shape (which blocks are images)
         self.scaffold_ids: dict[str, list[int]] = {}
         self.first_with_pixels: dict[tuple, object] = {}  # pixels_key -> the first image seen with those pixels
+        self.same_pixels: dict[int, int] = {}  # image key -> the key of the first image with its pixels
 
     def suffix(self, message: dict) -> str:
         """What the template writes after the policy's end-of-turn token for `message`, generation prompt on."""
@@ -132,18 +135,21 @@ class TurnRenderer:
                 continue
             twin = self.first_with_pixels.setdefault(key, image)
             entry = cache.get(twin) if twin is not image else None
-            if entry is not None:
-                cache.put(image, (*entry[:3], next(ImageCache.serials)))
+            if entry is not None and entry[3] is not None:
+                serial = next(ImageCache.serials)
+                if cache.put(image, (*entry[:3], serial)):
+                    self.same_pixels[serial] = entry[3]
         return self.processor.processed_images(images)
 
 
 def conversation_batch(processor: VLProcessor, prompts: PromptBatch, rows: list[int], tails: list[list[int]],
-                       images: list[list], policy_masks: list[list[int]], turn: int | str = "end"
-                       ) -> ConversationBatch:
+                       images: list[list], policy_masks: list[list[int]], turn: int | str = "end",
+                       same_key: dict[int, int] | None = None) -> ConversationBatch:
     """One row per trajectory i: prompt `rows[i]` of `prompts`, then `tails[i]` (every token after the prompt), with
     the prompt's images and then `images[i]` (the observations' images, in order), left-padded. `policy_masks[i]`
     is 1 on the policy's own tokens of the tail: an image placeholder token the policy sampled is text, never a
-    place for image features (only the prompt's and the observations' placeholders are)."""
+    place for image features (only the prompt's and the observations' placeholders are). `same_key`: image keys
+    to give as another's (`TurnRenderer.same_pixels`: for generation, which runs the tower once per key)."""
     sub = prompts.subset(rows)
     flat = [im for ims in images for im in ims]
     extra = processor.processed_images(flat) if flat else ImageInputs({}, {}, [], [])
@@ -157,6 +163,8 @@ def conversation_batch(processor: VLProcessor, prompts: PromptBatch, rows: list[
 
     prompt_images, tail_images = per_image(sub.vision, sub.vision_rows), per_image(extra.vision, extra.vision_rows)
     prompt_keys, tail_keys = sub.keys_of_images(), extra.keys or [None] * len(extra.tokens)
+    if same_key:
+        tail_keys = [same_key.get(k, k) for k in tail_keys]
     seqs, places, ordered, tokens, counts, keys_of = [], [], [], [], [], []
     p_at = t_at = 0
     for i, tail in enumerate(tails):

@@ -182,7 +182,8 @@ def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env
                            prompt_seeds=prompt_seeds, on_token=row_budgets(budgets))
         else:
             batch = conversation_batch(policy.processor, prompts, [e.prompt for e in live], [e.ids for e in live],
-                                       [e.images for e in live], [e.policy_mask for e in live], turn)
+                                       [e.images for e in live], [e.policy_mask for e in live], turn,
+                                       same_key=renderer.same_pixels)  # equal images through the tower once
             index = {id(e): i for i, e in enumerate(episodes)}
             turn_seeds = None if prompt_seeds is None else \
                 [turn_seed(seeds[e.prompt], index[id(e)] % group_size, turn) for e in live]
