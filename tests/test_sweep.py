@@ -63,6 +63,12 @@ def test_ood_specs():
     assert ood_specs(cfg) == {"big": ({"task": "shapes_count", "n": 5, "size": [112, 140]}, "test")}
     cfg = load_config(None, ["data.eval={path: x.jsonl}"])
     assert ood_specs(cfg) == {}  # user files have no built-in ood split: give eval.ood
+    # a hub dataset's `split` is the dataset's own: it stays in the spec, alone or named
+    hub = "{hub: jigsaw-r1/super_clevr, split: test}"
+    cfg = load_config(None, [f"eval.ood={hub}"])
+    assert ood_specs(cfg) == {"ood": ({"hub": "jigsaw-r1/super_clevr", "split": "test"}, "ood")}
+    cfg = load_config(None, [f"eval.ood={{clevr: {hub}}}"])
+    assert ood_specs(cfg) == {"clevr": ({"hub": "jigsaw-r1/super_clevr", "split": "test"}, "ood")}
 
 
 @pytest.fixture(scope="module")

@@ -62,7 +62,7 @@ def ood_specs(cfg: Config) -> dict[str, tuple[Any, str]]:
 
     - "auto": {"ood": the `ood` split of data.eval's built-in tasks} ({} when data.eval reads files)
     - null: {}
-    - one data spec ({task: ...} or {path: ...}): {"ood": (spec, "ood")}
+    - one data spec ({task: ...}, {path: ...} or {hub: ...}): {"ood": (spec, "ood")}
     - a mapping of names to specs: one split each. A task spec may carry `split` (default "ood"), e.g.
       {task: shapes_count, n: 300, size: [112, 140], split: test} for in-range counts on larger canvases.
     """
@@ -73,7 +73,7 @@ def ood_specs(cfg: Config) -> dict[str, tuple[Any, str]]:
         specs = cfg.data.eval if isinstance(cfg.data.eval, list) else [cfg.data.eval]
         tasks = [s for s in specs if isinstance(s, Mapping) and "task" in s]
         return {"ood": (tasks if len(tasks) > 1 else tasks[0], "ood")} if tasks else {}
-    if isinstance(ood, Mapping) and ("task" in ood or "path" in ood):
+    if isinstance(ood, Mapping) and ("task" in ood or "path" in ood or "hub" in ood):
         ood = {"ood": ood}
     if not isinstance(ood, Mapping):
         raise ConfigError(f"eval.ood: expected 'auto', null, a data spec or a mapping of names to specs, got {ood!r}")
@@ -81,6 +81,9 @@ def ood_specs(cfg: Config) -> dict[str, tuple[Any, str]]:
     for name, spec in ood.items():
         if not isinstance(spec, Mapping):
             raise ConfigError(f"eval.ood.{name}: expected a data spec ({{task: ...}} or {{path: ...}}), got {spec!r}")
+        if "hub" in spec:  # (a hub spec's `split` names the dataset's own split: it stays in the spec)
+            out[str(name)] = (dict(spec), "ood")
+            continue
         split = spec.get("split", "ood")
         out[str(name)] = ({k: v for k, v in spec.items() if k != "split"}, split)
     return out
