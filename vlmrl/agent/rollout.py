@@ -164,6 +164,9 @@ def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env
             context = ToolContext(list(sample.get("images") or []), max_pixels, sample)
             episodes.append(Episode(p, sample, make_env(sample, tools, context), context))
     seeds = prompt_seeds or [None] * len(samples)
+    # generation runs equal images through the vision tower once (features bit-identical on the CPU, where that was
+    # checked; an accelerator's kernels may depend on how many images share the call)
+    same_pixels = renderer.same_pixels if policy.family.device.type == "cpu" else None
     eos = set(policy.eos_token_ids)
     for turn in range(limits.max_turns):
         live = [e for e in episodes if not e.done]
@@ -183,7 +186,7 @@ def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env
         else:
             batch = conversation_batch(policy.processor, prompts, [e.prompt for e in live], [e.ids for e in live],
                                        [e.images for e in live], [e.policy_mask for e in live], turn,
-                                       same_key=renderer.same_pixels)  # equal images through the tower once
+                                       same_key=same_pixels)
             index = {id(e): i for i, e in enumerate(episodes)}
             turn_seeds = None if prompt_seeds is None else \
                 [turn_seed(seeds[e.prompt], index[id(e)] % group_size, turn) for e in live]

@@ -12,8 +12,9 @@ gives them weight exactly 0).
 Each row's keys, values and hidden states are what the single call computes for it, bit for bit: a row's matrix
 products do not depend on the rows beside it, and the columns a bucket leaves out are masked padding after the row's
 last token (tests/test_agent_turn_cost.py compares whole rollouts, and the rollouts of the zoom recipe were compared
-with the single call's). Only for caches of `ReservedLayer`s (generation's full-attention layers) and without
-gradients; other calls take the single call.
+with the single call's). Only for caches of `ReservedLayer`s (generation's full-attention layers), without
+gradients and on the CPU, where that was checked; an accelerator's matrix-product libraries may pick kernels by
+shape, so other calls take the single call.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def bucketed_tails(family, prompt_cache, rows: Tensor, prompt_mask: Tensor, embe
     tokens; `reserve`: columns to keep free after the W (the answer budget). Returns (cache, attention mask
     [N, P + W], hidden [N, H] of each row's last tail token), or None when one call is as good or the cache is not
     made of `ReservedLayer`s."""
-    if torch.is_grad_enabled() or not all(type(layer) is ReservedLayer for layer in prompt_cache.layers):
+    if (torch.is_grad_enabled() or embeds.device.type != "cpu"
+            or not all(type(layer) is ReservedLayer for layer in prompt_cache.layers)):
         return None
     buckets = length_buckets(lengths)
     if len(buckets) < 2:
