@@ -204,3 +204,31 @@ def test_tails_prefilled_in_buckets_give_the_same_trajectories(policy, count_sam
     assert len(set(turns)) > 1 and cheap.truncated.any() and not cheap.truncated.all(), (turns, cheap.truncated)
     errors = [e for ep in cheap.columns["turns"] for t in ep for e in t["errors"]]
     assert "budget" in errors  # a row's own budget ended it
+
+
+def test_tool_calls_reuse_idle_threads_and_never_a_hung_one():
+    """Calls run on idle worker threads (no thread per call); a call past its time limit leaves its worker behind
+    and the next call runs on another; a schema failure reads the same the second time (remembered)."""
+    import threading
+    import time
+
+    from vlmrl.agent.tools import Tool, ToolContext, call_tool
+
+    gate = threading.Event()
+    tools = {**BUILTIN_TOOLS, "wait": Tool("wait", lambda context: "ok" if gate.wait(5) else "late",
+                                           {"type": "object"}, timeout=0.2),
+             "who": Tool("who", lambda context: threading.current_thread().name + str(id(threading.current_thread())),
+                         {"type": "object"})}
+    context = ToolContext([Image.new("RGB", (56, 56))], 84 * 84)
+    who = '{"name": "who", "arguments": {}}'
+    first = call_tool(who, tools, context).content[0]["text"]
+    assert all(call_tool(who, tools, context).content[0]["text"] == first for _ in range(5))  # one idle worker
+    t0 = time.perf_counter()
+    assert call_tool('{"name": "wait", "arguments": {}}', tools, context).error == "timeout"
+    assert time.perf_counter() - t0 < 2
+    after = call_tool(who, tools, context)
+    assert after.ok and after.content[0]["text"] != first  # the hung worker is not handed the next call
+    gate.set()
+    bad = '{"name": "zoom", "arguments": {"box": [0, 0]}}'
+    texts = [call_tool(bad, tools, context).content[0]["text"] for _ in range(2)]
+    assert texts[0] == texts[1] and texts[0].startswith("Error: zoom: box: ")
