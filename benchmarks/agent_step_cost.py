@@ -10,10 +10,19 @@ language-model call, padding included), tokens decoded (one-column calls), image
 collect (sampling: no gradient) and update (the training forward, with gradient; old/reference log-prob passes
 without gradient are counted under collect when they run). The per-unit cost compares the arms' seconds per step
 against the work each did. Prints a markdown table.
+
+    python benchmarks/agent_step_cost.py TOOL_START ... --code BEFORE_DIR --code AFTER_DIR --rounds 3
+
+compares code versions side by side (each DIR holds a `vlmrl` package, e.g. `git archive <commit> vlmrl | tar -x -C
+DIR`): every round runs both arms once per DIR, one process each (PYTHONPATH=DIR), the DIRs in turn, so load from
+other jobs falls on every version alike; prints seconds per step per round, and the means, counts and ratios.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -29,7 +38,7 @@ RECIPE = str(Path(__file__).resolve().parents[1] / "recipes" / "agentic_zoom.yam
 
 class Counts:
     def __init__(self):
-        self.seconds, self.steps = 0.0, 0
+        self.seconds, self.cpu_seconds, self.steps = 0.0, 0.0, 0
         self.work = dict.fromkeys(("prefill/collect", "decode/collect", "images/collect", "prefill/update",
                                    "images/update"), 0)
 
@@ -70,11 +79,12 @@ def measure(args, overrides: list[str]) -> Counts:
     @contextmanager
     def timed():
         CURRENT[0] = counts
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             yield
         finally:
             counts.seconds += time.perf_counter() - t0
+            counts.cpu_seconds += time.process_time() - c0
             counts.steps += 1
             CURRENT[0] = None
 
@@ -83,13 +93,68 @@ def measure(args, overrides: list[str]) -> Counts:
     return counts
 
 
+def take_option(name: str, repeated: bool = False) -> list[str]:
+    """Remove `name VALUE` (each occurrence) from sys.argv (step_args knows the shared options only)."""
+    values, argv, i = [], [sys.argv[0]], 1
+    while i < len(sys.argv):
+        if sys.argv[i] == name and i + 1 < len(sys.argv) and (repeated or not values):
+            values.append(sys.argv[i + 1])
+            i += 2
+        else:
+            argv.append(sys.argv[i])
+            i += 1
+    sys.argv = argv
+    return values
+
+
+def compare(codes: list[str], rounds: int, more: list[str]) -> None:
+    """Both arms under each code version, `rounds` times, the versions in turn (module docstring)."""
+    runs: dict[str, list[dict]] = {c: [] for c in codes}
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+
+    def per_step(v: dict, clock: str) -> float:
+        return v[clock] / v["steps"]
+
+    for r in range(rounds):
+        for code in codes:
+            out = Path(f"/tmp/vlmrl-bench/agent-step-{stamp}-{Path(code).name}-{r}.json")
+            env = {**os.environ, "PYTHONPATH": str(Path(code).resolve())}
+            subprocess.run([sys.executable, __file__, *sys.argv[1:], *more, "--json", str(out)], env=env, check=True,
+                           cwd="/tmp", stdout=subprocess.DEVNULL)
+            runs[code].append(json.loads(out.read_text()))
+            print(f"round {r}, {code}: " + ", ".join(
+                f"{arm} {per_step(v, 'seconds'):.2f} s/step ({per_step(v, 'cpu_seconds'):.2f} CPU)"
+                for arm, v in runs[code][-1].items()), flush=True)
+    keys = list(next(iter(runs[codes[0]][0].values()))["work"])
+    print(f"\n{rounds} rounds, the versions in turn; seconds per step: mean of the rounds (lowest)\n")
+    print("| code | arm | wall s / step | CPU s / step | " + " | ".join(f"{k} / step" for k in keys) + " |")
+    print("|---|---|---|---|" + "---|" * len(keys))
+    for code in codes:
+        for arm in runs[code][0]:
+            wall = [per_step(v[arm], "seconds") for v in runs[code]]
+            cpu = [per_step(v[arm], "cpu_seconds") for v in runs[code]]
+            work = runs[code][0][arm]
+            print(f"| {Path(code).name} | {arm} | {sum(wall) / rounds:.2f} ({min(wall):.2f}) | "
+                  f"{sum(cpu) / rounds:.2f} ({min(cpu):.2f}) | "
+                  + " | ".join(f"{work['work'][k] / work['steps']:.0f}" for k in keys) + " |")
+    for clock in ("seconds", "cpu_seconds"):
+        for code in codes:
+            ratios = [per_step(v["tool"], clock) / per_step(v["no tool"], clock) for v in runs[code]]
+            print(f"{clock}: {Path(code).name}: tool / no tool per round " + ", ".join(f"{x:.2f}x" for x in ratios))
+        first, last = codes[0], codes[-1]
+        ratios = [per_step(a["tool"], clock) / per_step(b["tool"], clock)
+                  for a, b in zip(runs[first], runs[last], strict=True)]
+        print(f"{clock}: tool step, {Path(first).name} / {Path(last).name} per round: "
+              + ", ".join(f"{x:.2f}x" for x in ratios))
+
+
 def main() -> None:
-    extra = [a for a in sys.argv[1:]]
-    no_tool_start = None
-    if "--no-tool-start" in extra:  # (step_args knows the shared options only)
-        at = extra.index("--no-tool-start")
-        no_tool_start = extra[at + 1]
-        sys.argv = [sys.argv[0], *extra[:at], *extra[at + 2:]]
+    no_tool_start = (take_option("--no-tool-start") or [None])[0]
+    codes, rounds = take_option("--code", repeated=True), int((take_option("--rounds") or [1])[0])
+    json_out = (take_option("--json") or [None])[0]
+    if codes:
+        compare(codes, rounds, ["--no-tool-start", no_tool_start] if no_tool_start else [])
+        return
     args = step_args(__doc__, 10, "agent-step")
     args.recipe = args.recipe or RECIPE
     install_counters()
@@ -107,6 +172,9 @@ def main() -> None:
         print(f"| {arm} | {c.seconds / c.steps:.2f} | " + " | ".join(f"{v:.0f}" for v in per) + " |")
     tool, plain = rows[0][1], rows[1][1]
     print(f"\nstep time ratio tool / no tool: {tool.seconds / tool.steps / (plain.seconds / plain.steps):.2f}x")
+    if json_out:
+        Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_out).write_text(json.dumps({arm: vars(c) for arm, c in rows}))
 
 
 if __name__ == "__main__":
