@@ -42,7 +42,9 @@ class ReservedLayer(DynamicLayer):
         self.keys = self.key_buffer[:, :, :columns]
         self.values = self.value_buffer[:, :, :columns]
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+    def get_mask_sizes(self, query_length: int, *args, **kwargs) -> tuple[int, int]:
+        if not self.view_at_least:
+            return super().get_mask_sizes(query_length, *args, **kwargs)
         return max(self.length + query_length, self.view_at_least), 0
 
     def _allocate(self, capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
