@@ -1,7 +1,7 @@
 """vlmrl vs TRL's GRPOTrainer, side by side in one run: same tiny Qwen2-VL start, data, reward and hyper-parameters.
 
     pip install -e '.[bench]'
-    python benchmarks/trl_side_by_side.py --steps 100 --repeats 2 --threads 1 [--image-cache-mb 256]
+    python benchmarks/trl_side_by_side.py --steps 100 --repeats 2 --threads 1 [--image-cache-mb 0]
     python benchmarks/trl_side_by_side.py --smoke      # ~1 min: every stage on a very small model (the test's mode)
 
 1. SFT start: `vlmrl train trainer.steps=0` (the quickstart's SFT warm-start) gives RUN/checkpoint-0.
@@ -11,7 +11,7 @@
    prompts x G=8, max_new_tokens 12, temperature 1, lr 3e-4 constant, beta 0, clip 0.2/0.28, truncated answers
    masked, GRPO + clipped token-mean loss):
    - vlmrl: `vlmrl train model.name_or_path=START sft.steps=0 trainer.steps=N trainer.threads=T trainer.seed=r
-     MATCHED... model.image_cache_mb=M`;
+     MATCHED... model.image_cache_mb=0`;
    - TRL: benchmarks/trl_grpo_worker.py, a `GRPOTrainer` with the settings of START/config.yaml plus the same
      overrides (it refuses any setting it cannot match).
    Each run is its own process (peak resident memory from `wait4`, OMP_NUM_THREADS=T).
@@ -22,9 +22,11 @@ Throughput = rollouts (prompts x G x steps) / seconds inside the RL steps (gener
 loading, data loading or evaluation), timed from outside the same way for both: vlmrl's `RLJob.step` (wrapped in the
 worker process), TRL's `on_step_begin` -> `on_step_end` callback. A forward hook on the vision tower counts the
 images it encodes per step, in the rollout and in the rest of the step. CPU seconds of the same steps are measured
-too (`time.process_time`): on a shared machine they are less disturbed by other jobs than wall time. Memory: vlmrl
-keeps processed images (model.image_cache_mb, 256 MB by default; the quickstart's 1600 holds all 4,000 scenes and
-made vlmrl's peak exceed TRL's, which processes every image anew), so `--image-cache-mb` is part of the comparison.
+too (`time.process_time`): on a shared machine they are less disturbed by other jobs than wall time. Memory: TRL
+processes every image anew and keeps none, so vlmrl runs with `model.image_cache_mb=0` too (`--image-cache-mb`): the
+quickstart's 1600 holds all 4,000 processed scenes and made vlmrl's peak exceed TRL's, and the library's 256 fills
+with the 600 held-out scenes of the start's evaluation; in a 100-step run of 1,600 random draws from 4,000 prompts
+the cache has few hits to give.
 Prints a markdown table for BENCHMARKS.md and writes the raw numbers to benchmarks/results/trl_side_by_side.json.
 """
 
@@ -254,9 +256,9 @@ def main() -> None:
                    help="also run the full quickstart (`vlmrl train`) and record its peak resident memory")
     p.add_argument("--resume", action="store_true",
                    help="--out already holds some finished runs (e.g. after the job was killed): keep them")
-    p.add_argument("--image-cache-mb", type=float, default=256,
-                   help="vlmrl's model.image_cache_mb (the library default; the quickstart's 1600 keeps all 4,000 "
-                        "processed scenes, which TRL never holds)")
+    p.add_argument("--image-cache-mb", type=float, default=0,
+                   help="vlmrl's model.image_cache_mb: 0 (default) keeps no processed image, as TRL keeps none; the "
+                        "quickstart's 1600 keeps all 4,000 scenes, the library's 256 the held-out ones")
     p.add_argument("--smoke", action="store_true",
                    help="the smallest mode (tests/test_benchmarks.py): a very small model and batch, 2 steps, 1 seed")
     p.add_argument("--out", default=f"/tmp/vlmrl-bench/trl-{time.strftime('%Y%m%d-%H%M%S')}")
