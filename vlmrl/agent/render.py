@@ -17,6 +17,7 @@ naming the sample and the turn.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import re
 
@@ -150,10 +151,10 @@ def conversation_batch(processor: VLProcessor, prompts: PromptBatch, rows: list[
     is 1 on the policy's own tokens of the tail: an image placeholder token the policy sampled is text, never a
     place for image features (only the prompt's and the observations' placeholders are). `same_key`: image keys
     to give as another's (`TurnRenderer.same_pixels`: for generation, which runs the tower once per key)."""
-    sub = prompts.subset(rows)
+    sub = dataclasses.replace(prompts, vision={}, vision_rows={}).subset(rows)  # (its images are taken below)
     flat = [im for ims in images for im in ims]
     extra = processor.processed_images(flat) if flat else ImageInputs({}, {}, [], [])
-    keys = list(dict.fromkeys([*sub.vision, *extra.vision]))
+    keys = list(dict.fromkeys([*prompts.vision, *extra.vision]))
 
     def per_image(vision: dict, vision_rows: dict) -> list[dict]:
         """The tensors of each image, image by image."""
@@ -161,7 +162,10 @@ def conversation_batch(processor: VLProcessor, prompts: PromptBatch, rows: list[
         count = len(next(iter(vision_rows.values()))) if vision_rows else 0
         return [{k: splits[k][i] for k in splits} for i in range(count)]
 
-    prompt_images, tail_images = per_image(sub.vision, sub.vision_rows), per_image(extra.vision, extra.vision_rows)
+    # each row's prompt images as views of `prompts`' tensors: the G rows of a group share them until the one copy below
+    every_prompt_image = per_image(prompts.vision, prompts.vision_rows)
+    prompt_images = [every_prompt_image[i] for i in prompts.image_range(rows)]
+    tail_images = per_image(extra.vision, extra.vision_rows)
     prompt_keys, tail_keys = sub.keys_of_images(), extra.keys or [None] * len(extra.tokens)
     if same_key:
         tail_keys = [same_key.get(k, k) for k in tail_keys]
