@@ -47,6 +47,16 @@ def assert_matches(one: dict, two: dict, floor: dict | None = None, atol: float 
         assert torch.allclose(one[k], two[k], atol=atol), (k, (one[k] - two[k]).abs().max().item(), atol)
 
 
+def assert_resumes(tmp_path, name: str, mode: str, uninterrupted: dict, **kwargs) -> dict:
+    """The 2-rank run `name`, resumed under torchrun from its checkpoint-1 (step 2 again, from the saved optimizer
+    shards, scheduler, data order, RNG and the feature's own state), ends where it did without the interruption."""
+    resumed = run(tmp_path, name, mode, 2, resume="checkpoint-1", **kwargs)
+    for k in uninterrupted:
+        assert torch.allclose(uninterrupted[k], resumed[k], atol=1e-6), \
+            (k, (uninterrupted[k] - resumed[k]).abs().max().item())
+    return resumed
+
+
 def weights(checkpoint) -> dict:
     """A checkpoint's trained tensors: the whole model, or under LoRA its adapters."""
     if (checkpoint / "adapter_model.safetensors").exists():
@@ -206,6 +216,8 @@ def test_agents_under_torchrun_match_one_process(tmp_path, mode):
     logged = [json.loads(line) for line in (tmp_path / f"agent-{mode}" / "metrics.jsonl").read_text().splitlines()]
     turns = [m["agent/turns_per_episode"] for m in logged if "agent/turns_per_episode" in m and m["phase"] == "train"]
     assert len(turns) == 2 and max(turns) > 1.0  # multi-turn episodes ran under torchrun
+    if mode == "fsdp2":  # resumed under torchrun
+        assert_resumes(tmp_path, f"agent-{mode}", mode, two, extra=extra, recipe=AGENT)
 
 
 CRITIC = ("algorithm.advantage=gae", "algorithm.critic_warmup_steps=0", "trainer.minibatches=2",
@@ -243,6 +255,11 @@ def test_ppo_with_a_critic_under_torchrun_matches_one_process(tmp_path, critic_s
     heads = critic_head(tmp / "single"), critic_head(tmp_path / mode), critic_head(tmp / "single-mb1")
     assert heads[0]["weight"].abs().max() > 1e-3  # the value head trained
     assert_matches(heads[0], heads[1], heads[2])
+    if mode == "fsdp2":  # resumed under torchrun: the critic's weights and optimizer come back with the policy's
+        assert_resumes(tmp_path, mode, mode, two, extra=(*CRITIC, f"algorithm.critic={critic}"))
+        resumed_head = critic_head(tmp_path / mode)
+        for k in heads[1]:
+            assert torch.allclose(heads[1][k], resumed_head[k], atol=1e-6), k
 
 
 @pytest.mark.slow  # ~3 min on 2 cores
@@ -257,7 +274,9 @@ def test_sft_replay_under_torchrun_matches_one_process(tmp_path):
     assert max((one[k] - plain[k]).abs().max().item() for k in one) > 1e-3  # replay changed the update
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
     for mode in ("ddp", "fsdp2"):
-        assert_matches(one, run(tmp_path, mode, mode, 2, extra=extra), floor)
+        two = run(tmp_path, mode, mode, 2, extra=extra)
+        assert_matches(one, two, floor)
+    assert_resumes(tmp_path, "fsdp2", "fsdp2", two, extra=extra)  # the replay stream's position comes back too
 
 
 @pytest.mark.slow  # ~2 min on 2 cores
@@ -271,7 +290,9 @@ def test_offline_dpo_under_torchrun_matches_one_process(tmp_path):
     start = weights(tmp_path / "single" / "checkpoint-0")
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
     for mode in ("ddp", "fsdp2"):
-        assert_matches(one, run(tmp_path, mode, mode, 2, extra=extra, recipe=recipe), floor)
+        two = run(tmp_path, mode, mode, 2, extra=extra, recipe=recipe)
+        assert_matches(one, two, floor)
+    assert_resumes(tmp_path, "fsdp2", "fsdp2", two, extra=extra, recipe=recipe)
 
 
 @pytest.mark.slow  # ~3 min on 2 cores
@@ -287,4 +308,4 @@ def test_async_rollouts_under_torchrun_match_one_process(tmp_path):
     two = run(tmp_path, "fsdp2", "fsdp2", 2, extra=extra)
     assert_matches(one, two, floor)
     assert (tmp_path / "fsdp2" / "checkpoint-1" / "pending_rollouts-rank1.pt").exists()
-    assert_matches(one, run(tmp_path, "fsdp2", "fsdp2", 2, resume="checkpoint-1", extra=extra), floor)
+    assert_resumes(tmp_path, "fsdp2", "fsdp2", two, extra=extra)
