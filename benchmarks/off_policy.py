@@ -4,6 +4,7 @@ on-policy (synchronous) run: the sampler–trainer KL, held-out accuracy with it
 to the on-policy run, and the wall time of each arm beside the synchronous one.
 
     python benchmarks/off_policy.py --seeds 0 1 2 --staleness 4 [--steps 1500] [--lr 3e-4] [KEY=VALUE ...]
+    python benchmarks/off_policy.py --seeds 0 --staleness 1 --arms sync mis --steps 300 --threads 2   # wall time
     python benchmarks/off_policy.py --smoke        # seconds: 1 seed, 2 arms, a few steps of a very small model
 
 The task and recipe are the quickstart's (counting shapes, 4,000 RL prompts, 600 held-out scenes, DAPO's settings
@@ -35,12 +36,15 @@ SMOKE = ["model.tiny.hidden_size=32", "model.tiny.num_layers=1", "model.tiny.num
          "model.image_cache_mb=64", "algorithm.overlong_filter=false"]
 
 
-def arms(staleness: int) -> dict[str, list[str]]:
+ARMS = ("sync", "none", "token_tis", "mis", "icepop")
+LABELS = {"none": "none", "token_tis": "token TIS", "mis": "MIS", "icepop": "IcePop"}
+
+
+def arms(staleness: int, names=ARMS) -> dict[str, list[str]]:
+    """{label: overrides}: `sync` is the on-policy run; the others sample `staleness` versions behind, corrected so."""
     stale = ["rollout.asynchronous=true", f"rollout.max_staleness={staleness}"]
-    return {"on-policy (sync)": [], f"stale {staleness}, none": [*stale, "algorithm.rollout_correction=none"],
-            f"stale {staleness}, token TIS": [*stale, "algorithm.rollout_correction=token_tis"],
-            f"stale {staleness}, MIS": [*stale, "algorithm.rollout_correction=mis"],
-            f"stale {staleness}, IcePop": [*stale, "algorithm.rollout_correction=icepop"]}
+    return {("on-policy (sync)" if n == "sync" else f"stale {staleness}, {LABELS[n]}"):
+            ([] if n == "sync" else [*stale, f"algorithm.rollout_correction={n}"]) for n in names}
 
 
 def vlmrl(args: list[str], log: Path) -> float:
@@ -76,6 +80,8 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, default=4)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--jobs", type=int, default=1)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS, help="sync is the on-policy run")
+    ap.add_argument("--threads", type=int, default=1, help="trainer.threads of every run")
     ap.add_argument("--out", default="runs/off_policy")
     ap.add_argument("--results", default="off_policy.json")
     ap.add_argument("--smoke", action="store_true", help="a few steps of a very small model, 1 seed, 2 arms")
@@ -83,14 +89,12 @@ def main() -> None:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = [*PLAIN, "trainer.threads=1", *a.overrides]
+    base = [*PLAIN, f"trainer.threads={a.threads}", *a.overrides]
     if a.smoke:
-        a.seeds, base = a.seeds[:1], [*PLAIN, "trainer.threads=1", *SMOKE, *a.overrides]
+        a.seeds, base = a.seeds[:1], [*PLAIN, f"trainer.threads={a.threads}", *SMOKE, *a.overrides]
     else:
         base += [f"trainer.steps={a.steps}"]
-    plan = arms(a.staleness)
-    if a.smoke:
-        plan = dict(list(plan.items())[:2])
+    plan = arms(a.staleness, ["sync", "none"] if a.smoke else a.arms)
     results: dict[str, dict[str, dict]] = {}
     for seed in a.seeds:  # the SFT start, once per seed
         start = out / f"seed{seed}-sft"
