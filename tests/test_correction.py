@@ -176,7 +176,7 @@ def test_auto_resolves_by_where_answers_come_from():
     cfg = load_config(None)
     assert resolve_correction(cfg.algorithm, cfg.rollout).method == "none"  # built-in, synchronous
     cfg = load_config(None, ["rollout.asynchronous=true"])
-    assert resolve_correction(cfg.algorithm, cfg.rollout) == Correction("mis", None, 3.0)
+    assert resolve_correction(cfg.algorithm, cfg.rollout) == Correction("token_tis", None, 2.0)
     cfg = load_config(None, ["rollout.asynchronous=true", "rollout.max_staleness=0"])
     assert resolve_correction(cfg.algorithm, cfg.rollout).method == "none"  # staleness 0: synchronous
     cfg = load_config(None, ["rollout.asynchronous=true", "algorithm.rollout_correction=icepop",

@@ -143,7 +143,7 @@ class AlgorithmConfig:
     # the PPO ratio's denominator: "proximal" = the trainer's weights before the update, scored by the training
     # forward; "behaviour" = the sampler's own log-probs (verl's bypass: no recomputation, the clip bounds it all)
     ratio_denominator: Literal["proximal", "behaviour"] = "proximal"
-    # weights on the policy-gradient loss for the sampler–trainer gap (proximal denominator): "auto" = mis where the
+    # weights on the policy-gradient loss for the sampler–trainer gap (proximal denominator): "auto" = token_tis where the
     # sampler is not the trainer (rollout.engine=vllm, or rollout.asynchronous with max_staleness > 0), else none
     rollout_correction: Literal["auto", "none", "token_tis", "sequence_tis", "mis", "icepop", "geometric"] = "auto"
     correction_low: Positive | None = None  # the lower bound (icepop 0.5, geometric 0.999); null = the method's

@@ -22,9 +22,11 @@ log mu(y_t) on the answer's tokens, rho_t = exp(delta_t) and the sequence ratio 
 Sources: TIS as in Yao et al. 2025 and verl's `rollout_is: token` (cap 2); sequence TIS and MIS as TRL's
 `vllm_importance_sampling_mode` "sequence_truncate" / "sequence_mask" (TRL's default, cap 3); IcePop from the Ring-1T
 report (inclusionAI 2025), bounds [0.5, 5]; geometric-mean rejection as verl's `rollout_rs: geometric`
-([0.999, 1.001]). `auto` (the default) is `mis` with cap 3 where the sampler is not the trainer
-(rollout.engine=vllm, or rollout.asynchronous with max_staleness > 0), and none with the built-in synchronous
-sampler, whose log-probs equal the trainer's up to rounding: the correction would only add that rounding to the loss.
+([0.999, 1.001]). `auto` (the default) is `token_tis` with cap 2 (verl's default) where the sampler is not the
+trainer (rollout.engine=vllm, or rollout.asynchronous with max_staleness > 0): on stale answers it was the one
+correction that recovered accuracy (BENCHMARKS.md, "Off-policy correction"), where TRL's default MIS did not; and none
+with the built-in synchronous sampler, whose log-probs equal the trainer's up to rounding: the correction would only
+add that rounding to the loss.
 
 Under truncation the estimator is biased by exactly the truncated mass, E_mu[(rho - C)^+ A grad log pi]; under
 masking by the masked mass. tests/test_correction.py shows both on a policy small enough to enumerate.
@@ -65,7 +67,7 @@ def resolve_correction(algorithm, rollout) -> Correction:
     filtered = rollout.top_k > 0 or rollout.top_p < 1.0
     if method == "auto":
         off = rollout.engine == "vllm" or (rollout.asynchronous and rollout.max_staleness > 0)
-        method = "mis" if off and not filtered and algorithm.ratio_denominator == "proximal" else "none"
+        method = "token_tis" if off and not filtered and algorithm.ratio_denominator == "proximal" else "none"
     if method == "none":
         return Correction("none", None, None)
     low, high = DEFAULT_BOUNDS[method]

@@ -5,7 +5,7 @@ Versions: the trainer's weights after k optimizer updates of the RL phase are ve
 With `max_staleness` S, step s trains on answers sampled by version max(0, s - 1 - S), exactly: S = 0 is
 synchronous training (the answers of step s come from the weights step s trains), S = 1 trains every step on the
 answers of the version before (after the first, which has nothing older). The off-policy gap this leaves is what
-`algorithm.rollout_correction` corrects (`auto`: MIS) and the `mismatch/*` metrics measure.
+`algorithm.rollout_correction` corrects (`auto`: token TIS) and the `mismatch/*` metrics measure.
 
 How, in one process: a producer thread runs stages I + II (`rl.produce`: generation, rewards, tools, image
 preprocessing) on a copy of the policy (S > 0; the rollout engine when `rollout.engine=vllm`), one step at a time,
