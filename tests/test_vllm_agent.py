@@ -24,6 +24,8 @@ from vlmrl.models import load_policy
 from vlmrl.rollout.batch import make_prompts
 from vlmrl.rollout.vllm_engine import LAUNCHER_KEYS, VLLMEngine, batch_requests
 
+from .test_vllm_engine import FakeLLM
+
 ZOOM = '<tool_call>{"name":"zoom","arguments":{"box":[0,0,28,28]}}</tool_call>'
 CALC = '<tool_call>{"name":"calculator","arguments":{"expression":"2+3"}}</tool_call>'
 ZOOM_LONGER = '<tool_call>{"name":"zoom","arguments":{"box":[10,10,30,30]}}</tool_call>'
@@ -34,42 +36,18 @@ def tool_env(sample, tools, context):
     return ToolEnvironment(sample, tools, context)
 
 
-class ScriptedLLM:
-    """Stands in for `vllm.LLM`. `script(call, answer)` gives the message (text, or token ids) of answer number
-    `answer` (requests in order, n answers each) of generate call number `call`; it comes back one token per
-    character, then the first stop token, cut at the request's `max_tokens`, with log-prob -0.01 * (position + 1)."""
+class ScriptedLLM(FakeLLM):
+    """Stands in for `vllm.LLM` (the phases, weight loads and cache resets recorded as tests/test_vllm_engine.py's
+    FakeLLM does). `script(call, answer)` gives the message (text, or token ids) of answer number `answer` (requests
+    in order, n answers each) of generate call number `call`; it comes back one token per character, then the first
+    stop token, cut at the request's `max_tokens`, with log-prob -0.01 * (position + 1)."""
 
     tokenizer = None
     script = None
 
     def __init__(self, **kwargs):
-        self.kwargs = kwargs
-        self.events: list[str] = []
+        super().__init__(**kwargs)
         self.calls: list[list[dict]] = []  # per generate call, per request: what it received
-
-    def sleep(self, level):
-        assert level == 1
-        self.events.append("sleep")
-
-    def wake_up(self):
-        self.events.append("wake")
-
-    def apply_model(self, fn):
-        return fn(SimpleNamespace(load_weights=self._load))
-
-    def _load(self, weights):
-        for _ in weights:
-            pass
-        self.events.append("load")
-
-    def reset_prefix_cache(self):
-        self.events.append("reset_prefix")
-
-    def reset_encoder_cache(self):
-        self.events.append("reset_encoder")
-
-    def reset_mm_cache(self):
-        self.events.append("reset_mm")
 
     def generate(self, prompts, params, use_tqdm=False):
         call = len(self.calls)

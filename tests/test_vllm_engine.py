@@ -115,7 +115,7 @@ class FakeLLM:
         self.loaded = [(name, t.clone()) for name, t in weights]
 
     def reset_prefix_cache(self):
-        self.events.append("reset")
+        self.events.append("reset_prefix")
 
     def reset_encoder_cache(self):
         self.events.append("reset_encoder")
@@ -263,7 +263,7 @@ def test_push_weights_goes_back_to_sleep_and_only_generate_wakes(policy, count_s
     engine = VLLMEngine("unused", {"sleep": True})
     assert engine.asleep and engine.llm.events == ["sleep"]
     engine.push_weights(policy)  # (the tiny policy's vision tower trains: its image caches are reset too)
-    assert engine.asleep and engine.llm.events == ["sleep", "wake", "load", "reset", "reset_encoder", "reset_mm",
+    assert engine.asleep and engine.llm.events == ["sleep", "wake", "load", "reset_prefix", "reset_encoder", "reset_mm",
                                                    "sleep"]
     prompts = make_prompts(policy, count_samples[:2])
     r = engine.generate(policy, prompts, count_samples[:2], 2, 4, 1.0, 0, 1.0, [1, 2])

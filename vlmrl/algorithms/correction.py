@@ -76,11 +76,16 @@ def resolve_correction(algorithm, rollout) -> Correction:
     return Correction(method, low, high)
 
 
+def log_ratios(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(the mask as floats, delta_t = log pi_prox - log mu on it, clamped to +-LOG_RATIO_CLAMP), detached."""
+    m = mask.to(proximal.dtype)
+    return m, ((proximal.detach() - behaviour.to(proximal.device)) * m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
 def correction_weights(proximal: Tensor, behaviour: Tensor, mask: Tensor, correction: Correction) -> Tensor:
     """Per-token weights w [N, T] (detached, 0 off the mask) that multiply the policy-gradient loss; see the module
     docstring for each method's formula. `proximal`, `behaviour`: [N, T] log-probs of the sampled tokens."""
-    m = mask.to(proximal.dtype)
-    delta = ((proximal.detach() - behaviour.to(proximal.device)) * m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    m, delta = log_ratios(proximal, behaviour, mask)
     method, low, high = correction
     if method in ("token_tis", "icepop"):
         rho = delta.exp()
@@ -116,8 +121,7 @@ def correction_weights(proximal: Tensor, behaviour: Tensor, mask: Tensor, correc
 def raw_ratios(proximal: Tensor, behaviour: Tensor, mask: Tensor, method: str) -> Tensor:
     """[N, T] the ratio each method weighs with before its bound: rho_t (token methods), rho of the answer (sequence
     methods), 1 (geometric rejection only keeps or drops)."""
-    m = mask.to(proximal.dtype)
-    delta = ((proximal.detach() - behaviour.to(proximal.device)) * m).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    m, delta = log_ratios(proximal, behaviour, mask)
     if method in ("token_tis", "icepop"):
         return delta.exp() * m
     if method == "geometric":
@@ -150,15 +154,14 @@ def mismatch_metrics(proximal: Tensor, behaviour: Tensor, mask: Tensor, correcti
     m = mask.bool()
     if not m.any():
         return {}
-    delta = (proximal.detach().float() - behaviour.to(proximal.device).float()).clamp(-LOG_RATIO_CLAMP,
-                                                                                     LOG_RATIO_CLAMP)
+    delta = log_ratios(proximal.float(), behaviour.float(), mask)[1]
     rho = delta.exp()
     k3 = rho - 1 - delta
     out = {"mismatch/k1": (-delta[m]).mean().item(), "mismatch/k3": k3[m].mean().item(),
            "mismatch/ratio_mean": rho[m].mean().item(), "mismatch/ratio_min": rho[m].min().item(),
            "mismatch/ratio_max": rho[m].max().item()}
     rows = m.any(-1)
-    seq = (delta * m).sum(-1)[rows].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double().exp()
+    seq = delta.sum(-1)[rows].clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).double().exp()
     out["mismatch/ess"] = (seq.sum() ** 2 / (len(seq) * (seq ** 2).sum())).item()
     if correction.method != "none":
         w = correction_weights(proximal.float(), behaviour.float(), mask, correction)
