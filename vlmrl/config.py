@@ -250,6 +250,9 @@ class AgentConfig:
     max_total_tokens: PositiveInt = 512  # tokens after the prompt, policy and observations (over it: truncated)
     max_images: Count = 4  # images the tools may add to one trajectory (over it: truncated)
     system_prompt: bool = True  # describe the tools to the model in a system turn (their JSON schemas)
+    # environment steps (tool calls) at once, each started the moment its trajectory's turn ends, while the others
+    # still decode (vlmrl/agent/steps.py); 1 = one after another after the turn (tools that are not thread-safe)
+    env_workers: PositiveInt = 8
 
     @property
     def enabled(self) -> bool:

@@ -22,6 +22,7 @@ class AgentSpec:
     tools: dict[str, Tool]
     make_env: EnvFactory
     max_pixels: int | None  # the pixel budget images come back at (the processor's)
+    env_workers: int = 8  # environment steps at once (vlmrl.agent.steps)
 
     @classmethod
     def from_config(cls, cfg, processor) -> AgentSpec | None:
@@ -35,13 +36,13 @@ class AgentSpec:
         if not cfg.enabled:
             return None
         limits = AgentLimits(cfg.max_turns, cfg.turn_tokens, cfg.max_total_tokens, cfg.max_images)
-        return cls(limits, tools, resolve_env(cfg.env), processor.max_image_pixels())
+        return cls(limits, tools, resolve_env(cfg.env), processor.max_image_pixels(), cfg.env_workers)
 
     def rollout(self, policy, prompts, samples, group_size, temperature, top_k=0, top_p=1.0,
                 prompt_seeds=None, engine=None) -> AgentRollout:
         """`engine`: a `VLLMEngine` (rollout.engine=vllm) to sample every turn on; None: the built-in sampler."""
         return agent_rollout(policy, prompts, samples, group_size, self.limits, self.tools, self.make_env, temperature,
-                             top_k, top_p, prompt_seeds, self.max_pixels, engine)
+                             top_k, top_p, prompt_seeds, self.max_pixels, engine, self.env_workers)
 
 
 __all__ = ["AgentLimits", "AgentRollout", "AgentSpec", "agent_rollout"]

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlmrl.agent.env import EnvFactory, Observation
+from vlmrl.agent.env import EnvFactory
 from vlmrl.agent.render import TurnRenderer, conversation_batch
+from vlmrl.agent.steps import EnvSteps
 from vlmrl.agent.tools import Tool, ToolContext
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
@@ -133,30 +134,26 @@ def row_budgets(budgets: list[int]) -> OnToken:
     return on_token
 
 
-def _step_env(episode: Episode, text: str) -> Observation:
-    try:
-        return episode.env.step(text)
-    except Exception as exc:  # a user environment's bug ends this episode, counted, not the run
-        episode.turns[-1]["errors"].append("env_raised")
-        episode.turns[-1]["env_error"] = f"{type(exc).__name__}: {exc}"
-        return Observation(done=True)
-
-
 @torch.no_grad()
 def agent_rollout(policy: Policy, prompts: PromptBatch, samples: list[dict], group_size: int, limits: AgentLimits,
                   tools: dict[str, Tool], make_env: EnvFactory, temperature: float, top_k: int = 0,
                   top_p: float = 1.0, prompt_seeds: list[int] | None = None,
-                  max_pixels: int | None = None, engine=None) -> AgentRollout:
+                  max_pixels: int | None = None, engine=None, env_workers: int = 8) -> AgentRollout:
     """G multi-turn trajectories per prompt (module docstring). `prompt_seeds`: one per prompt (None: the global
     torch generator, not reproducible across batch layouts). `engine`: a `VLLMEngine` to sample on (None: the
-    built-in sampler)."""
-    with engine.awake() if engine is not None else nullcontext():  # every turn in one waking (the prefix cache)
-        return _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env, temperature, top_k,
-                              top_p, prompt_seeds, max_pixels, engine)
+    built-in sampler). `env_workers`: environment steps at once, each started when its turn ends (vlmrl.agent.steps;
+    1: one after another after the turn)."""
+    steps = EnvSteps(env_workers, policy.processor.tokenizer, policy.eos_token_ids)
+    try:
+        with engine.awake() if engine is not None else nullcontext():  # every turn in one waking (the prefix cache)
+            return _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env, temperature, top_k,
+                                  top_p, prompt_seeds, max_pixels, engine, steps)
+    finally:
+        steps.close()
 
 
 def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env, temperature, top_k, top_p,
-                   prompt_seeds, max_pixels, engine) -> AgentRollout:
+                   prompt_seeds, max_pixels, engine, steps: EnvSteps) -> AgentRollout:
     renderer = TurnRenderer(policy.processor)
     episodes = []
     for p, sample in enumerate(samples):
@@ -175,6 +172,7 @@ def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env
         # each trajectory's own budget: its turn's tokens, within the room its episode has left (at least one token:
         # an observation that would leave none ends the episode below), so what else shares the batch never matters
         budgets = [min(limits.turn_tokens, limits.max_total_tokens - len(e.ids)) for e in live]
+        steps.begin([e.env for e in live])  # each row's environment step starts when its turn ends
         if turn == 0 and engine is not None:  # a request per prompt: G answers from the prompt's seed
             shown = [list(s.get("images") or []) for s in samples]
             out = engine.sample(policy, batch_requests(policy, prompts, shown, prompt_seeds,
@@ -182,7 +180,7 @@ def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env
                                 temperature, top_k, top_p)
         elif turn == 0:  # the prompt once per group, G answers from the prompt's own stream: the single-turn sampler
             out = generate(policy, prompts, group_size, max(budgets), temperature, top_k, top_p,
-                           prompt_seeds=prompt_seeds, on_token=row_budgets(budgets))
+                           prompt_seeds=prompt_seeds, on_token=steps.watch(row_budgets(budgets)))
         else:
             batch = conversation_batch(policy.processor, prompts, [e.prompt for e in live], [e.ids for e in live],
                                        [e.images for e in live], [e.policy_mask for e in live], turn,
@@ -196,7 +194,8 @@ def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env
                                     temperature, top_k, top_p)
             else:
                 out = generate(policy, batch, 1, max(budgets), temperature, top_k, top_p, prompt_seeds=turn_seeds,
-                               on_token=row_budgets(budgets))
+                               on_token=steps.watch(row_budgets(budgets)))
+        steps.start_rest(out)  # (vLLM: every row at once, after the call)
         for j, e in enumerate(live):
             n = int(out.completion_mask[j].sum())
             ids = out.completion_ids[j, :n].tolist()
@@ -209,8 +208,11 @@ def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env
             if not ended:  # the turn ran out of tokens: no well-formed message to answer
                 e.done = e.truncated = True
                 continue
-            obs = _step_env(e, out.texts[j])
+            obs, env_error = steps.result(j, out.texts[j])
             t = e.turns[-1]
+            if env_error is not None:  # a user environment's bug ends this episode, counted, not the run
+                t["errors"].append("env_raised")
+                t["env_error"] = env_error
             t["tool_calls"] = [r.name for r in obs.tool_results]
             t.update(obs.info)  # what the environment knows of this turn (e.g. on_target)
             t["tool_failures"] = sum(not r.ok for r in obs.tool_results)
