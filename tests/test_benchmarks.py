@@ -145,7 +145,8 @@ SLOW = {  # the sweeps and servers, 10-35 s each on a 2-core CPU: run with -m sl
     "off_policy.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/off_policy.json"], "on-policy (sync)"),
     "torchrun_parity.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/parity.json"], "torchrun x2"),
 }
-OWN_TESTS = {"serve_hostile_load.py", "trl_side_by_side.py", "trl_grpo_worker.py", "agent_step_cost.py"}
+OWN_TESTS = {"serve_hostile_load.py", "trl_side_by_side.py", "trl_grpo_worker.py", "agent_step_cost.py",
+             "agent_env_overlap.py"}
 
 
 def run_smallest(name: str, spec: tuple[list[str], str], start: Path | None, out: Path) -> None:
@@ -172,9 +173,10 @@ def test_slower_benchmark_runs_in_its_smallest_mode(name, tmp_path):
     run_smallest(name, SLOW[name], None, tmp_path)
 
 
-@pytest.mark.slow  # ~12 s: an agentic SFT start, then both arms
+@pytest.mark.slow  # ~15 s: an agentic SFT start, then both arms, then the tool-latency rollouts
 def test_agent_step_cost_smallest(tmp_path):
-    """The agent's step cost needs an SFT start of the agentic recipe (the zoom tool's demonstrations)."""
+    """The agent's step cost and the tool-latency overlap need an SFT start of the agentic recipe (the zoom tool's
+    demonstrations)."""
     run = tmp_path / "start"
     proc = subprocess.run([sys.executable, "-m", "vlmrl", "train", "recipes/agentic_zoom.yaml", *SMOKE,
                            "trainer.steps=0", "trainer.threads=1", f"trainer.output_dir={run}"], capture_output=True,
@@ -183,3 +185,5 @@ def test_agent_step_cost_smallest(tmp_path):
     out = run_script("agent_step_cost.py", str(run / "checkpoint-0"), "--steps", "1", "--threads", "1", "--out",
                      str(tmp_path / "runs"), *SMOKE)
     assert "step time ratio tool / no tool" in out.stdout
+    out = run_script("agent_env_overlap.py", str(run / "checkpoint-0"), "--latency", "0.01", "--rounds", "1", *SMOKE)
+    assert "| 10 ms |" in out.stdout and "NO" not in out.stdout
