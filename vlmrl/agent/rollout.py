@@ -30,6 +30,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
+from PIL import Image
 
 from vlmrl.agent.env import EnvFactory
 from vlmrl.agent.render import TurnRenderer, conversation_batch
@@ -157,6 +158,9 @@ def _agent_rollout(policy, prompts, samples, group_size, limits, tools, make_env
     renderer = TurnRenderer(policy.processor)
     episodes = []
     for p, sample in enumerate(samples):
+        for image in sample.get("images") or []:  # decoded now: the group's tools may read it from several threads
+            if isinstance(image, Image.Image):
+                image.load()
         for _ in range(group_size):
             context = ToolContext(list(sample.get("images") or []), max_pixels, sample)
             episodes.append(Episode(p, sample, make_env(sample, tools, context), context))
