@@ -21,7 +21,7 @@ REWARD = "def score(completions, **columns):\n    return [float(len(c) % 3) for 
 
 
 def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None, extra: tuple = (),
-        checkpoint: str = "checkpoint-2", recipe: str = GRPO) -> dict:
+        checkpoint: str = "checkpoint-2", recipe: str = GRPO, stdout: list | None = None) -> dict:
     reward = tmp_path / "varied_reward.py"
     reward.write_text(REWARD)
     args = ["-m", "vlmrl", "train", recipe, *SMALL, *STEPS, f"trainer.output_dir={tmp_path / name}", "trainer.save_every=1",
@@ -32,6 +32,8 @@ def run(tmp_path, name: str, mode: str, nproc: int, resume: str | None = None, e
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    if stdout is not None:
+        stdout.append(done.stdout)
     return weights(tmp_path / name / checkpoint)
 
 
@@ -309,3 +311,63 @@ def test_async_rollouts_under_torchrun_match_one_process(tmp_path):
     assert_matches(one, two, floor)
     assert (tmp_path / "fsdp2" / "checkpoint-1" / "pending_rollouts-rank1.pt").exists()
     assert_resumes(tmp_path, "fsdp2", "fsdp2", two, extra=extra)
+
+
+@pytest.mark.slow  # ~3 min on 2 cores
+def test_rollout_ranks_match_one_process(tmp_path):
+    """rollout.rollout_ranks=1: the last rank only generates (stages I + II, from the weights rank 0 broadcasts) and
+    the others only train. One training rank and one rollout rank end exactly where one process with asynchronous
+    rollouts does (the same answers from the same weights, the same update); two FSDP2 training ranks and one rollout
+    rank end there within the rounding floor, and resumed from checkpoint-1 (whole steps saved by training rank 0)
+    they end there again."""
+    # 3 steps: step 3 trains on version 1's answers, sampled after a weight broadcast
+    extra, last = ("rollout.asynchronous=true", "rollout.max_staleness=1", "trainer.steps=3"), "checkpoint-3"
+    one = run(tmp_path, "single", "none", 1, extra=extra, checkpoint=last)
+    floor = run(tmp_path, "single-mb1", "none", 1, extra=(*extra, "trainer.micro_batch=1"), checkpoint=last)
+    said: list[str] = []
+    split = (*extra, "rollout.rollout_ranks=1")
+    two = run(tmp_path, "ddp", "ddp", 2, extra=split, stdout=said, checkpoint=last)
+    assert "rollout rank 0: produced 4 steps" in said[0]  # steps 1-4 (step 4 asked for ahead of step 3)
+    for k in one:
+        assert torch.equal(one[k], two[k]), k
+    three = run(tmp_path, "fsdp2", "fsdp2", 3, extra=split, checkpoint=last)
+    assert_matches(one, three, floor)
+    assert not (tmp_path / "fsdp2" / "checkpoint-1" / "pending_rollouts-rank1.pt").exists()
+    assert torch.load(tmp_path / "fsdp2" / "checkpoint-1" / "pending_rollouts.pt", weights_only=False)["whole_steps"]
+    resumed = run(tmp_path, "fsdp2", "fsdp2", 3, resume="checkpoint-1", extra=split, checkpoint=last)
+    for k in three:
+        assert torch.allclose(three[k], resumed[k], atol=1e-6), (k, (three[k] - resumed[k]).abs().max().item())
+
+
+@pytest.mark.slow  # ~20 s
+def test_a_failing_rollout_rank_stops_the_run_with_its_error(tmp_path):
+    """A reward that raises FatalRewardError on the rollout rank (global rank 1) only: the training rank stops the
+    run with the rollout rank's traceback, naming the step, instead of waiting for answers that never come."""
+    reward = tmp_path / "fatal.py"
+    reward.write_text("import os\nfrom vlmrl.errors import FatalRewardError\n"
+                      "def score(completions, **columns):\n    if os.environ['RANK'] == '1':\n"
+                      "        raise FatalRewardError('the judge is gone')\n    return [1.0 for c in completions]\n")
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vlmrl", "train", GRPO, *SMALL,
+            *STEPS, f"trainer.output_dir={tmp_path / 'run'}", "trainer.distributed=ddp",
+            f"rewards=[{{name: '{reward}:score'}}]", "rollout.asynchronous=true", "rollout.rollout_ranks=1"]
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert "rollout rank 1 failed on step 1" in done.stderr and "the judge is gone" in done.stderr
+
+
+def test_rollout_ranks_are_refused_where_they_cannot_run():
+    from vlmrl.config import load_config
+    from vlmrl.errors import ConfigError
+    from vlmrl.trainer.distributed import init_distributed
+
+    for bad, said in ((["rollout.rollout_ranks=1"], "asynchronous"),
+                      (["rollout.rollout_ranks=1", "rollout.asynchronous=true", "algorithm.dynamic_sampling=true"],
+                       "dynamic_sampling"),
+                      (["rollout.rollout_ranks=1", "rollout.asynchronous=true", "curriculum.filter_solved=true"],
+                       "curriculum"),
+                      (["rollout.rollout_ranks=1", "rollout.asynchronous=true", "model.lora.r=4"], "LoRA")):
+        with pytest.raises(ConfigError, match=said):
+            load_config(GRPO, bad)
+    with pytest.raises(ConfigError, match="more processes than rollout ranks"):
+        init_distributed("ddp", "cpu", rollout_ranks=1)  # one process: nothing left to train

@@ -44,6 +44,9 @@ def cmd_train(args) -> int:
     from vlmrl.trainer.run import train
 
     summary = train(cfg, BarProgress(), resume=args.resume)
+    if "rollout_rank" in summary:  # (torchrun with rollout.rollout_ranks: training rank 0 prints the run's summary)
+        print(f"rollout rank {summary['rollout_rank']}: produced {summary['produced_steps']} steps")
+        return 0
     for note in summary["notes"]:  # shown as they happened too; repeated where a long run's output ends
         print(f"note: {note}")
     if summary.get("preempted"):

@@ -122,6 +122,9 @@ class RolloutConfig:
     asynchronous: bool = False
     max_staleness: Count = 1
     producer_timeout: Positive = 600.0  # seconds the trainer waits for a step's rollouts before stopping the run
+    # under torchrun: the last N processes only generate (stages I + II) and the others only train
+    # (vlmrl/trainer/rollout_ranks.py, docs/scaling.md); 0 = every process generates its own share and trains on it
+    rollout_ranks: Count = 0
 
 
 @section
@@ -449,6 +452,18 @@ def _off_policy(c: Config) -> str | None:
                        f"producer draws prompts from the run's random stream while the update draws its minibatches or "
                        f"replay batch from it, so the run would not repeat; use one minibatch and no replay, or "
                        f"rollout.max_staleness=0")
+    if problem is None and c.rollout.rollout_ranks:
+        r = c.rollout
+        if not r.asynchronous:
+            problem = ("rollout.rollout_ranks > 0 needs rollout.asynchronous=true (the rollout ranks are the "
+                       "asynchronous producer; max_staleness 0 keeps training synchronous)")
+        elif c.algorithm.dynamic_sampling or c.curriculum.active:
+            problem = (f"rollout.rollout_ranks with "
+                       f"{'algorithm.dynamic_sampling' if c.algorithm.dynamic_sampling else 'a curriculum'}: both draw "
+                       f"prompts and count groups while they generate, from the training ranks' stream; turn them "
+                       f"off, or set rollout.rollout_ranks=0")
+        elif c.model.lora.r:
+            problem = "rollout.rollout_ranks with LoRA: the rollout ranks hold merged weights only; set model.lora.r=0"
     return problem
 
 
@@ -512,9 +527,11 @@ RULES: tuple[Rule, ...] = (
          "curriculum and replay", _offline_dpo),
     Rule(("rollout.vllm.max_model_len",), "`rollout.vllm.max_model_len` >= `data.max_prompt_length + "
          "rollout.max_new_tokens` (with an agent: `+ agent.max_total_tokens`)", _context),
-    Rule(("algorithm.rollout_correction", "algorithm.ratio_denominator", "rollout.asynchronous"), "off-policy "
-         "corrections need the proximal denominator and no top-k/top-p; asynchronous rollouts run without ReMax or "
-         "DPO, and with dynamic sampling or a curriculum only with one minibatch and no replay", _off_policy),
+    Rule(("algorithm.rollout_correction", "algorithm.ratio_denominator", "rollout.asynchronous",
+          "rollout.rollout_ranks"), "off-policy corrections need the proximal denominator and no top-k/top-p; "
+         "asynchronous rollouts run without ReMax or DPO, and with dynamic sampling or a curriculum only with one "
+         "minibatch and no replay; rollout ranks are asynchronous, without dynamic sampling, curricula or LoRA",
+         _off_policy),
 )
 
 

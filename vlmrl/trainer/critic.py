@@ -67,7 +67,7 @@ class Critic:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         device = str(info.device)
         flat = flat.to(device if device.startswith("cuda") else "cpu")
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=info.group)
         flat = flat / info.world
         at = 0
         for p in params:

@@ -31,6 +31,12 @@ class DistInfo:
     world: int = 1
     local_rank: int = 0
     device: str = "cpu"  # this process's device: model.device, with "cuda" mapped to cuda:LOCAL_RANK under torchrun
+    # with rollout ranks (rollout.rollout_ranks, vlmrl.trainer.rollout_ranks): the training ranks' own process group
+    # (rank and world count training ranks only: they are global ranks 0..world-1) and the links to the rollout ranks;
+    # None: every process trains (the default group)
+    group: object | None = None
+    links: object | None = None  # vlmrl.trainer.rollout_ranks.Links (training ranks) or the rollout rank's own
+    role: str = "train"  # train | rollout
 
     @property
     def active(self) -> bool:
@@ -54,12 +60,22 @@ def process_device(device: str, local_rank: int, world: int) -> str:
     return f"cuda:{local_rank}"
 
 
-def init_distributed(mode: str, device: str) -> DistInfo:
+def init_distributed(mode: str, device: str, rollout_ranks: int = 0) -> DistInfo:
     """Join the process group torchrun set up (RANK / WORLD_SIZE / LOCAL_RANK); a plain `python -m vlmrl` run is
     world size 1. On GPUs every rank binds its own device (`cuda:LOCAL_RANK`) before NCCL starts, and the policy,
-    reference, critic and vLLM engine are all placed on `DistInfo.device`."""
+    reference, critic and vLLM engine are all placed on `DistInfo.device`. `rollout_ranks` > 0: the last ranks only
+    generate (vlmrl.trainer.rollout_ranks); the others train, in a process group of their own."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if rollout_ranks:
+        if mode == "none" or world <= rollout_ranks:
+            raise ConfigError(f"rollout.rollout_ranks={rollout_ranks} needs torchrun with more processes than rollout "
+                              f"ranks and trainer.distributed=ddp or fsdp2 (got {world} process(es), "
+                              f"trainer.distributed={mode})")
+        from vlmrl.trainer.rollout_ranks import split_ranks
+
+        device = process_device(device, local_rank, world)
+        return split_ranks(mode, device, local_rank, world, rollout_ranks)
     if mode == "none" or world == 1:
         device = process_device(device, 0, 1)
         if device.startswith("cuda") and torch.cuda.is_available():
@@ -90,7 +106,7 @@ def _reduce(x: float | Tensor, info: DistInfo, op) -> Tensor:
     if info.active:
         device = str(info.device)
         t = t.to(device if device.startswith("cuda") else "cpu")
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=info.group)
     return t.cpu()
 
 
@@ -112,7 +128,7 @@ def gather_lists(values: list, info: DistInfo) -> list:
     if not info.active:
         return list(values)
     out: list = [None] * info.world
-    dist.all_gather_object(out, list(values))
+    dist.all_gather_object(out, list(values), group=info.group)
     return [v for part in out for v in part]
 
 
@@ -122,7 +138,7 @@ def gather_counts(value: int, info: DistInfo) -> list[int]:
         return [int(value)]
     device = info.device if info.device.startswith("cuda") else "cpu"  # NCCL gathers CUDA tensors only
     parts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(info.world)]
-    dist.all_gather(parts, torch.tensor([int(value)], dtype=torch.int64, device=device))
+    dist.all_gather(parts, torch.tensor([int(value)], dtype=torch.int64, device=device), group=info.group)
     return [int(p.item()) for p in parts]
 
 
@@ -133,7 +149,7 @@ def rank_max(values: list[int], info: DistInfo) -> list[int]:
         return [int(v) for v in values]
     device = info.device if info.device.startswith("cuda") else "cpu"  # NCCL reduces CUDA tensors only
     t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=info.group)
     return [int(v) for v in t.tolist()]
 
 
@@ -147,7 +163,7 @@ def reduce_metrics(metrics: dict[str, float], info: DistInfo) -> dict[str, float
     logged = set(mine)
     values = torch.tensor([[float(metrics[k]), 1.0] if k in logged else [0.0, 0.0] for k in keys],
                           dtype=torch.float64).reshape(-1, 2)
-    dist.all_reduce(values)
+    dist.all_reduce(values, group=info.group)
     return {**metrics, **{k: total / count for k, (total, count) in zip(keys, values.tolist(), strict=True)}}
 
 
@@ -174,7 +190,7 @@ def wrap(policy: Policy, info: DistInfo) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         # text-only batches leave the vision tower unused: let DDP tolerate unused parameters
-        return DistributedDataParallel(module, find_unused_parameters=True)
+        return DistributedDataParallel(module, find_unused_parameters=True, process_group=info.group)
     if info.mode == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
@@ -184,10 +200,15 @@ def wrap(policy: Policy, info: DistInfo) -> nn.Module:
         blocks = [m for m in policy.model.modules() if type(m).__name__ in block_classes]
         if not blocks:
             raise ConfigError(f"fsdp2: {type(policy.model).__name__} names no transformer blocks (_no_split_modules)")
+        mesh = None  # the default group's ranks; with rollout ranks, the training ranks' group
+        if info.group is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(info.group, "cuda" if info.device.startswith("cuda") else "cpu")
         for block in blocks:
-            fully_shard(block)
+            fully_shard(block, mesh=mesh)
         policy.family.dummy_vision = dummy_image_batch(policy)
-        fully_shard(module)
+        fully_shard(module, mesh=mesh)
         # Generation calls submodules directly, before any root forward; FSDP2 must know the root first, which
         # it learns in its (private) lazy init, normally run by the root's first forward.
         module._get_fsdp_state()._lazy_init()
@@ -241,7 +262,7 @@ def full_state_dict(module: nn.Module, info: DistInfo) -> dict | None:
 
 def barrier(info: DistInfo) -> None:
     if info.active:
-        dist.barrier()
+        dist.barrier(group=info.group)
 
 
 def broadcast_object(obj, info: DistInfo):
@@ -249,7 +270,7 @@ def broadcast_object(obj, info: DistInfo):
     if not info.active:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=info.group)
     return box[0]
 
 
@@ -261,7 +282,7 @@ class NullLogger:
     def close(self) -> None: ...
 
 
-def save_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, path) -> None:
+def save_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, path, group=None) -> None:
     """FSDP2: each rank writes its shard of the optimizer state (torch.distributed.checkpoint); the consolidated
     model goes to the `from_pretrained` folder beside it. Call it only once the optimizer has state: on an empty
     optimizer, torch's state-dict helper initialises the state with a zero-lr step, which advances Adam's step
@@ -269,13 +290,14 @@ def save_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, checkpoint_id=str(path))
+    dcp.save({"optimizer": get_optimizer_state_dict(module, optimizer)}, checkpoint_id=str(path),
+             process_group=group)
 
 
-def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, path) -> None:
+def load_sharded_optimizer(module: nn.Module, optimizer: torch.optim.Optimizer, path, group=None) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     state = {"optimizer": get_optimizer_state_dict(module, optimizer)}
-    dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path), process_group=group)
     set_optimizer_state_dict(module, optimizer, state["optimizer"])

@@ -95,7 +95,7 @@ class RLJob:
         staging = partial_path(path)
         full = full_state_dict(ctx.forward, dist_info)
         if sharded and ctx.optimizer.state:  # (an empty state needs no file; torch would "initialise" it with a step)
-            save_sharded_optimizer(ctx.forward, ctx.optimizer, staging / "sharded")
+            save_sharded_optimizer(ctx.forward, ctx.optimizer, staging / "sharded", dist_info.group)
         if not dist_info.is_main:
             save_rank_rng(staging, dist_info.rank, ctx.generator)
         if self.rollouts is not None:  # the steps produced but not yet trained (each rank its shard)
@@ -159,15 +159,24 @@ class RLJob:
         """Dynamic sampling's `k` more prompts from the same stream."""
         return [self.train_set[i] for i in self.stream.next(k)]
 
-    def start_rollouts(self, resume: Path | None) -> None:
-        """Asynchronous rollouts (rollout.asynchronous): the producer, with the steps a checkpoint saved as produced."""
+    def start_rollouts(self, resume: Path | None, start_step: int = 0) -> None:
+        """Asynchronous rollouts (rollout.asynchronous): the producer, with the steps a checkpoint saved as produced;
+        with rollout ranks, the producer is on them (vlmrl.trainer.rollout_ranks), told to load the weights of
+        `resume` (else checkpoint-0), version `start_step`."""
         from vlmrl.trainer.asynchronous import AsyncRollouts
 
         r = self.cfg.rollout
-        self.rollouts = AsyncRollouts(self.ctx, self.draw, r.max_staleness, r.producer_timeout, self.rollout_policy,
-                                      self.resample)
+        if self.ctx.dist.links is not None:
+            from vlmrl.trainer.rollout_ranks import RemoteRollouts
+
+            self.rollouts = RemoteRollouts(self.ctx, self.draw, r.max_staleness, r.producer_timeout)
+        else:
+            self.rollouts = AsyncRollouts(self.ctx, self.draw, r.max_staleness, r.producer_timeout,
+                                          self.rollout_policy, self.resample)
         if resume is not None:
             self.rollouts.load(resume, self.ctx.dist.rank)
+        if self.ctx.dist.links is not None:
+            self.rollouts.start(resume or self.run_dir / "checkpoint-0", start_step)
 
     def close(self) -> None:
         if self.rollouts is not None:
@@ -176,8 +185,15 @@ class RLJob:
 
 def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
     """What torchrun with several processes needs of a recipe, checked before any data, model or SFT step is built:
-    every feature runs there; batch sizes must split evenly over the ranks."""
-    if not dist_info.active:
+    every feature runs there; batch sizes must split evenly over the ranks (with rollout ranks: over the training
+    ranks and over the rollout ranks, checked on every rank so that all of them stop)."""
+    links = dist_info.links
+    if links is not None:
+        for count, kind in ((links.trainers, "training"), (len(links.rollout), "rollout")):
+            if cfg.rollout.prompts_per_step % count:
+                raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} must be a multiple of the "
+                                  f"number of {kind} ranks ({count}): each takes an equal share of every step")
+    if not dist_info.active or dist_info.role == "rollout":
         return
     shard(cfg.rollout.prompts_per_step, dist_info)  # every rank takes the same number of prompts (or DPO pairs)
     r, a = cfg.rollout, cfg.algorithm
@@ -218,7 +234,8 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     # asynchronous rollouts sample with a copy of the weights (none at staleness 0, none for a vLLM engine), also made
     # before FSDP2 shards them
     r = cfg.rollout
-    rollout_policy = policy.clone() if r.asynchronous and r.max_staleness > 0 and r.engine != "vllm" else None
+    rollout_policy = policy.clone() if r.asynchronous and r.max_staleness > 0 and r.engine != "vllm" and \
+        not r.rollout_ranks else None
     forward = wrap(policy, dist_info)  # before the optimizer: FSDP2 replaces parameters with shards
     params = [p for p in policy.model.parameters() if p.requires_grad]
     optimizer = adamw(params, t.lr, t.weight_decay)
@@ -255,7 +272,7 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
         ctx.kl.load(resume_state.get("kl"))
         ctx.signal_share = resume_state.get("signal_share")
     if resume_state is not None and sharded and (Path(resume) / "sharded").exists():
-        load_sharded_optimizer(forward, optimizer, Path(resume) / "sharded")
+        load_sharded_optimizer(forward, optimizer, Path(resume) / "sharded", dist_info.group)
     guard = getattr(ctx, "guard", None)
     if resume_state is not None and guard is not None and resume_state.get("guard"):
         vars(guard).update(resume_state["guard"])

@@ -197,8 +197,14 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
-    dist_info = init_distributed(cfg.trainer.distributed, cfg.model.device)
+    dist_info = init_distributed(cfg.trainer.distributed, cfg.model.device, cfg.rollout.rollout_ranks)
     check_distributed(cfg, dist_info)
+    if dist_info.role == "rollout":  # generates what training rank 0 asks for, until it says stop
+        from vlmrl.trainer.rollout_ranks import serve_rollouts
+
+        rewards = reward_specs(cfg)
+        check_specs(rewards)
+        return serve_rollouts(cfg, dist_info, rewards)
     if not dist_info.is_main:
         progress = Progress()  # one progress bar and one log: rank 0's
     rewards = reward_specs(cfg)  # the length penalty's limits follow the generation budget unless set
@@ -273,7 +279,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     job.t_start, job.wall_before = t_start, resume_state.get("wall_seconds", 0.0) if resume_state else 0.0
     if resume_state is None:
         job.checkpoint(0)  # the SFT start: the baseline every RL number is compared with
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm" and not cfg.rollout.rollout_ranks:  # (else the rollout ranks run it)
         job.ctx.engine = start_vllm(cfg, job.ctx, run_dir, dist_info)
     if resume_state is not None:  # last, so that nothing built since (critic, engine) draws from the restored streams
         restore_rng(load_rank_rng(point.checkpoint, dist_info.rank, resume_state), generator)
@@ -282,7 +288,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
                 logger.log(run_eval(policy, cfg, data.eval, rewards, Progress(), f"step {point.step}"), point.step,
                            "eval")
     if cfg.rollout.asynchronous and job.dpo is None:
-        job.start_rollouts(point.checkpoint if point else None)
+        job.start_rollouts(point.checkpoint if point else None, point.step if point else 0)
     try:  # (asynchronous rollouts: the producer stops after the final checkpoint saved what it made)
         with StopRequest(progress.message) as stop:  # also through the final evaluation and checkpoint
             stopped_at = rl_loop(job, data, rewards, logger, progress, point.step + 1 if point else 1, stop)
