@@ -14,7 +14,8 @@ the copy the current weights (version s - 1), (3) draws the prompts of step s + 
 (4) takes step s's answers and trains on them while the producer generates step s + S. Every draw from the run's
 random stream happens on the trainer's thread, in step order, so a run repeats exactly; the producer's sampling uses
 each prompt's own seed (`rl.prompt_seed`). Under torchrun every rank runs its own producer on its shard; the producer
-makes no collective.
+makes no collective. With `rollout.rollout_ranks` the producer is on processes of its own instead
+(vlmrl.trainer.rollout_ranks), with the same contract.
 
 Answers older than the bound (only possible when a run is resumed with a lower `max_staleness` than it saved with)
 are dropped, counted in `async/dropped_steps`, and sampled again from the current weights. A producer that raises
