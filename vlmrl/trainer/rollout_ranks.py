@@ -29,6 +29,7 @@ offline DPO (which samples nothing).
 from __future__ import annotations
 
 import datetime
+import io
 import pickle
 import time
 import traceback
@@ -74,9 +75,11 @@ def split_ranks(mode: str, device: str, local_rank: int, world: int, rollout_ran
 
 # -- messages ----------------------------------------------------------------------------------------------------------
 def send(obj, dst: int, links: Links) -> list:
-    """Start sending `obj` (pickled) to global rank `dst`; the returned handles must be kept until `finish`."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    """Start sending `obj` (pickled by torch.save: tensors keep their device) to global rank `dst`; the returned
+    handles must be kept until `finish`."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    payload = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
     size = torch.tensor([payload.numel()], dtype=torch.int64)
     return [(dist.isend(size, dst, group=links.control), size), (dist.isend(payload, dst, group=links.control),
                                                                   payload)]
@@ -88,8 +91,9 @@ def finish(handles: list) -> None:
     handles.clear()
 
 
-def receive(src: int, links: Links, timeout: float | None = None, what: str = "a message"):
-    """The next object global rank `src` sent; `timeout` seconds at most (None: the group's own timeout)."""
+def receive(src: int, links: Links, timeout: float | None = None, what: str = "a message", device: str = "cpu"):
+    """The next object global rank `src` sent; `timeout` seconds at most (None: the group's own timeout). A tensor the
+    sender held on a GPU comes to `device` (the sender's GPU is another process's); CPU tensors stay on the CPU."""
     def wait(work) -> None:
         try:
             if timeout is None:
@@ -106,7 +110,9 @@ def receive(src: int, links: Links, timeout: float | None = None, what: str = "a
     wait(dist.irecv(size, src, group=links.control))
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
     wait(dist.irecv(payload, src, group=links.control))
-    return pickle.loads(payload.numpy().tobytes())
+    gpus = torch.cuda.device_count() if device.startswith("cuda") else 0
+    where = {f"cuda:{i}": device for i in range(gpus)} if gpus else None
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), map_location=where, weights_only=False)
 
 
 # -- the weights ---------------------------------------------------------------------------------------------------
@@ -167,7 +173,7 @@ class RemoteRollouts:
         for step in self.outstanding:
             parts = []
             for r in self.links.rollout:
-                kind, payload = receive(r, self.links, self.timeout, f"step {step}'s answers")
+                kind, payload = receive(r, self.links, self.timeout, f"step {step}'s answers", self.info.device)
                 if kind == "failed":
                     raise TrainingError(f"rollout rank {r} failed on step {step}:\n{payload}")
                 parts.append(payload)
