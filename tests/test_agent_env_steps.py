@@ -96,29 +96,21 @@ def test_a_step_starts_while_other_rows_still_decode(policy, count_samples, monk
     assert returned == [True]  # stepped before the call returned
 
 
-def test_steps_run_beside_each_other(policy, count_samples):
-    """Four trajectories whose environments each wait for all four (a barrier): they all get through with 4 or more
-    workers; with one worker the first would wait alone (the barrier breaks: its error ends that episode)."""
+@pytest.mark.parametrize("workers, wait, ok", [(4, 5.0, True), (1, 0.2, False)])
+def test_steps_run_beside_each_other(policy, count_samples, workers, wait, ok):
+    """Four trajectories whose environments each wait for all four (a barrier): they all get through with 4 workers;
+    with one worker the first waits alone (the barrier breaks: each error ends that episode, counted)."""
     ends_soon(policy, boost=8.0)  # every row ends its first turn at once
-    barrier = threading.Barrier(4, timeout=5)
+    barrier = threading.Barrier(4, timeout=wait)
 
     class Together(Look):
         def step(self, message):
             barrier.wait()
             return Observation(done=True)
 
-    out = rollout(policy, count_samples[:1], Together, 4, AgentLimits(1, 4, 400), seeds=(5,))
-    assert all("errors" in t[0] and not t[0]["errors"] for t in out.columns["turns"])
-    barrier.reset()
-    barrier_short = threading.Barrier(4, timeout=0.2)
-
-    class Alone(Look):
-        def step(self, message):
-            barrier_short.wait()
-            return Observation(done=True)
-
-    out = rollout(policy, count_samples[:1], Alone, 1, AgentLimits(1, 4, 400), seeds=(5,))
-    assert all("env_raised" in t[0]["errors"] for t in out.columns["turns"])
+    out = rollout(policy, count_samples[:1], Together, workers, AgentLimits(1, 4, 400), seeds=(5,))
+    errors = [t[0]["errors"] for t in out.columns["turns"]]
+    assert errors == ([[]] * 4 if ok else [["env_raised"]] * 4)
 
 
 def test_an_environment_that_raises_on_a_worker_ends_only_its_episode(policy, count_samples):

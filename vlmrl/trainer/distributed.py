@@ -82,13 +82,18 @@ def init_distributed(mode: str, device: str, rollout_ranks: int = 0) -> DistInfo
             torch.cuda.set_device(torch.device(device))
         return DistInfo(mode, 0, 1, 0, device)
     device = process_device(device, local_rank, world)
+    join_process_group(device, local_rank)
+    return DistInfo(mode, dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def join_process_group(device: str, local_rank: int) -> None:
+    """torchrun's default group: NCCL on this rank's GPU, gloo on the CPU."""
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
             dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     elif not dist.is_initialized():
         dist.init_process_group("gloo")
-    return DistInfo(mode, dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
 def shard(n: int, info: DistInfo) -> tuple[int, int]:

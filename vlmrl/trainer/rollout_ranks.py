@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from vlmrl.errors import TrainingError
 from vlmrl.trainer.asynchronous import pending_file
-from vlmrl.trainer.distributed import DistInfo, broadcast_object, gathered
+from vlmrl.trainer.distributed import DistInfo, broadcast_object, gathered, join_process_group
 from vlmrl.trainer.rl import Produced, concat_batches, keep_groups, produce
 from vlmrl.trainer.types import StepContext
 
@@ -56,12 +56,7 @@ class Links:
 
 def split_ranks(mode: str, device: str, local_rank: int, world: int, rollout_ranks: int) -> DistInfo:
     """Join torchrun's group and make the groups of a split run (every rank makes every group, in one order)."""
-    if device.startswith("cuda"):
-        torch.cuda.set_device(local_rank)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    elif not dist.is_initialized():
-        dist.init_process_group("gloo")
+    join_process_group(device, local_rank)
     rank, trainers = dist.get_rank(), world - rollout_ranks
     train_group = dist.new_group(list(range(trainers)))
     rollout_group = dist.new_group(list(range(trainers, world)))
