@@ -283,7 +283,7 @@ def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, c
     from vlmrl.trainer.job import check_distributed
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run, "init_distributed", lambda mode, device: DistInfo(mode, 0, 2, 0, "cpu"))
+    monkeypatch.setattr(run, "init_distributed", lambda mode, device, rollout_ranks=0: DistInfo(mode, 0, 2, 0, "cpu"))
     assert main(["train", "trainer.distributed=ddp", "replay.weight=0.1", "replay.batch_size=7"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: replay.batch_size=7 must be a multiple of the number of processes (2) under "
@@ -308,6 +308,15 @@ def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, c
     with pytest.raises(ConfigError, match="rollout.prompts_per_step=3 must be a multiple of the number of processes"):
         check_distributed(plain, DistInfo("ddp", 0, 2, 0, "cpu"))
     check_distributed(plain, DistInfo("none", 0, 1, 0, "cpu"))  # one process: nothing to refuse
+    # rollout ranks: the prompts split over the training ranks and over the rollout ranks, checked on every rank
+    from vlmrl.trainer.rollout_ranks import Links
+
+    plain.rollout.prompts_per_step = 4
+    links = Links(None, None, [1, 2, 3], 1)  # 1 training rank, 3 rollout ranks
+    for info in (DistInfo("ddp", 0, 1, 0, "cpu", links=links), DistInfo("none", 0, 3, 0, "cpu", links=links,
+                                                                       role="rollout")):
+        with pytest.raises(ConfigError, match=r"multiple of the number of rollout ranks \(3\)"):
+            check_distributed(plain, info)
 
 
 def test_unexpected_exceptions_keep_their_traceback(monkeypatch):
