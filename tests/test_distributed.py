@@ -359,7 +359,7 @@ def test_a_failing_rollout_rank_stops_the_run_with_its_error(tmp_path):
 def test_rollout_ranks_are_refused_where_they_cannot_run():
     from vlmrl.config import load_config
     from vlmrl.errors import ConfigError
-    from vlmrl.trainer.distributed import init_distributed
+    from vlmrl.trainer.rollout_ranks import split_ranks
 
     for bad, said in ((["rollout.rollout_ranks=1"], "asynchronous"),
                       (["rollout.rollout_ranks=1", "rollout.asynchronous=true", "algorithm.dynamic_sampling=true"],
@@ -370,4 +370,4 @@ def test_rollout_ranks_are_refused_where_they_cannot_run():
         with pytest.raises(ConfigError, match=said):
             load_config(GRPO, bad)
     with pytest.raises(ConfigError, match="more processes than rollout ranks"):
-        init_distributed("ddp", "cpu", rollout_ranks=1)  # one process: nothing left to train
+        split_ranks("ddp", "cpu", 1)  # one process: nothing left to train

@@ -60,22 +60,13 @@ def process_device(device: str, local_rank: int, world: int) -> str:
     return f"cuda:{local_rank}"
 
 
-def init_distributed(mode: str, device: str, rollout_ranks: int = 0) -> DistInfo:
+def init_distributed(mode: str, device: str) -> DistInfo:
     """Join the process group torchrun set up (RANK / WORLD_SIZE / LOCAL_RANK); a plain `python -m vlmrl` run is
     world size 1. On GPUs every rank binds its own device (`cuda:LOCAL_RANK`) before NCCL starts, and the policy,
-    reference, critic and vLLM engine are all placed on `DistInfo.device`. `rollout_ranks` > 0: the last ranks only
-    generate (vlmrl.trainer.rollout_ranks); the others train, in a process group of their own."""
+    reference, critic and vLLM engine are all placed on `DistInfo.device`. (With rollout ranks:
+    vlmrl.trainer.rollout_ranks.split_ranks.)"""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if rollout_ranks:
-        if mode == "none" or world <= rollout_ranks:
-            raise ConfigError(f"rollout.rollout_ranks={rollout_ranks} needs torchrun with more processes than rollout "
-                              f"ranks and trainer.distributed=ddp or fsdp2 (got {world} process(es), "
-                              f"trainer.distributed={mode})")
-        from vlmrl.trainer.rollout_ranks import split_ranks
-
-        device = process_device(device, local_rank, world)
-        return split_ranks(mode, device, local_rank, world, rollout_ranks)
     if mode == "none" or world == 1:
         device = process_device(device, 0, 1)
         if device.startswith("cuda") and torch.cuda.is_available():

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import io
+import os
 import pickle
 import time
 import traceback
@@ -39,9 +40,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from vlmrl.errors import TrainingError
+from vlmrl.errors import ConfigError, TrainingError
 from vlmrl.trainer.asynchronous import pending_file
-from vlmrl.trainer.distributed import DistInfo, broadcast_object, gathered, join_process_group
+from vlmrl.trainer.distributed import DistInfo, broadcast_object, gathered, join_process_group, process_device
 from vlmrl.trainer.rl import Produced, concat_batches, keep_groups, produce
 from vlmrl.trainer.types import StepContext
 
@@ -54,8 +55,16 @@ class Links:
     trainers: int  # training ranks (global ranks 0..trainers-1)
 
 
-def split_ranks(mode: str, device: str, local_rank: int, world: int, rollout_ranks: int) -> DistInfo:
-    """Join torchrun's group and make the groups of a split run (every rank makes every group, in one order)."""
+def split_ranks(mode: str, device: str, rollout_ranks: int) -> DistInfo:
+    """`init_distributed` for a split run: join torchrun's group and make the groups (every rank makes every group, in
+    one order); the training ranks' `DistInfo` counts training ranks only, a rollout rank's the rollout ranks."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if mode == "none" or world <= rollout_ranks:
+        raise ConfigError(f"rollout.rollout_ranks={rollout_ranks} needs torchrun with more processes than rollout "
+                          f"ranks and trainer.distributed=ddp or fsdp2 (got {world} process(es), "
+                          f"trainer.distributed={mode})")
+    device = process_device(device, local_rank, world)
     join_process_group(device, local_rank)
     rank, trainers = dist.get_rank(), world - rollout_ranks
     train_group = dist.new_group(list(range(trainers)))

@@ -42,6 +42,7 @@ from vlmrl.trainer.limits import check_data_fits, user_texts, uses_tools
 from vlmrl.trainer.logger import MetricsLogger, rewind_logs
 from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_decisions
 from vlmrl.trainer.resume import check_resume, find_resume_point, rewind_checkpoints
+from vlmrl.trainer.rollout_ranks import serve_rollouts, split_ranks
 from vlmrl.trainer.sft import sft_step
 from vlmrl.trainer.watch import (
     MismatchWatch,
@@ -197,11 +198,12 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
-    dist_info = init_distributed(cfg.trainer.distributed, cfg.model.device, cfg.rollout.rollout_ranks)
+    if cfg.rollout.rollout_ranks:  # the last ranks generate, the others train (vlmrl.trainer.rollout_ranks)
+        dist_info = split_ranks(cfg.trainer.distributed, cfg.model.device, cfg.rollout.rollout_ranks)
+    else:
+        dist_info = init_distributed(cfg.trainer.distributed, cfg.model.device)
     check_distributed(cfg, dist_info)
     if dist_info.role == "rollout":  # generates what training rank 0 asks for, until it says stop
-        from vlmrl.trainer.rollout_ranks import serve_rollouts
-
         rewards = reward_specs(cfg)
         check_specs(rewards)
         return serve_rollouts(cfg, dist_info, rewards)
