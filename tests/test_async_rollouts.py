@@ -5,6 +5,8 @@ and counted, a failed or stuck producer stops the run with a clear error, and re
 from __future__ import annotations
 
 import json
+import re
+import threading
 import time
 from pathlib import Path
 
@@ -69,13 +71,13 @@ def test_staleness_one_trains_on_the_version_before(tmp_path, monkeypatch):
     """Every step after the first trains on answers sampled by the weights one update older; recorded by watching
     which weights the producer's copy holds when it samples each step."""
     seen: dict[int, dict[str, torch.Tensor]] = {}
-    real = asynchronous.produce
+    real = asynchronous.generate_step  # (stage I on the producer's thread; the scorer takes stage II)
 
-    def spy(ctx, samples, draw=None):
+    def spy(ctx, samples):
         seen[ctx.step] = {n: p.detach().clone() for n, p in ctx.policy.model.named_parameters()}
-        return real(ctx, samples, draw)
+        return real(ctx, samples)
 
-    monkeypatch.setattr(asynchronous, "produce", spy)
+    monkeypatch.setattr(asynchronous, "generate_step", spy)
     out = run(tmp_path, "one", "rollout.asynchronous=true", "rollout.max_staleness=1", "trainer.save_every=1",
               "trainer.keep_checkpoints=0")
     rows = train_rows(out["run_dir"])
@@ -122,24 +124,63 @@ def test_answers_older_than_the_bound_are_dropped_and_counted(tmp_path):
     assert [r["async/staleness"] for r in late] == [0.0, 0.0]
 
 
-def test_a_failing_producer_stops_the_run_with_its_error(tmp_path, monkeypatch):
-    def broken(ctx, samples, draw=None):
+@pytest.mark.parametrize("stage", ["generate_step", "score_step", "produce"])
+def test_a_failing_producer_stops_the_run_with_its_error(tmp_path, monkeypatch, stage):
+    """Stage I or stage II raising (each on its own thread), or the whole step (staleness 0: no scorer thread)."""
+    def broken(*args, **kwargs):
         raise ValueError("reward server said no")
 
-    monkeypatch.setattr(asynchronous, "produce", broken)
+    monkeypatch.setattr(asynchronous, stage, broken)
     with pytest.raises(TrainingError, match="rollout producer failed: ValueError: reward server said no"):
-        run(tmp_path, "broken", "rollout.asynchronous=true")
+        run(tmp_path, "broken", "rollout.asynchronous=true",
+            f"rollout.max_staleness={0 if stage == 'produce' else 1}")
 
 
-def test_a_stuck_producer_stops_the_run_instead_of_hanging(tmp_path, monkeypatch):
-    def stuck(ctx, samples, draw=None):
+@pytest.mark.parametrize("stage, said", [("generate_step", "generating step 1's answers"),
+                                         ("score_step", "generating nothing (and scoring step 1's)")])
+def test_a_stuck_producer_stops_the_run_instead_of_hanging(tmp_path, monkeypatch, stage, said):
+    def stuck(*args, **kwargs):
         time.sleep(30)
 
-    monkeypatch.setattr(asynchronous, "produce", stuck)
+    monkeypatch.setattr(asynchronous, stage, stuck)
     t0 = time.perf_counter()
-    with pytest.raises(TrainingError, match="producer_timeout=2 s: the producer has been generating step 1"):
+    with pytest.raises(TrainingError, match=f"producer_timeout=2 s: the producer has been {re.escape(said)}"):
         run(tmp_path, "stuck", "rollout.asynchronous=true", "rollout.producer_timeout=2")
     assert time.perf_counter() - t0 < 25
+
+
+def test_scoring_overlaps_the_next_steps_generation_and_changes_nothing(tmp_path, monkeypatch):
+    """Staleness 1, no dynamic sampling or curriculum: stage II of step k (rewards, judge calls) runs while step k + 1
+    generates (each scoring waits, up to 2 s, for the next step's generation to begin, and does not wait in vain),
+    and the run ends bit for bit where the same run with each step scored before the next generates ends."""
+    started: dict[int, threading.Event] = {}
+    overlapped: dict[int, bool] = {}
+    gen, score = asynchronous.generate_step, asynchronous.score_step
+
+    def generating(ctx, samples):
+        started.setdefault(ctx.step, threading.Event()).set()
+        return gen(ctx, samples)
+
+    def scoring(ctx, samples, generated):
+        overlapped[ctx.step] = started.setdefault(ctx.step + 1, threading.Event()).wait(2)
+        return score(ctx, samples, generated)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(asynchronous, "generate_step", generating)
+        patch.setattr(asynchronous, "score_step", scoring)
+        piped = run(tmp_path, "piped", "rollout.asynchronous=true", "rollout.max_staleness=1")
+    assert [overlapped[k] for k in (1, 2, 3, 4)] == [True] * 4  # (step 5, asked for ahead, has no step 6 after it)
+    init = asynchronous.AsyncRollouts.__init__
+
+    def unpiped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.pipelined = False
+
+    monkeypatch.setattr(asynchronous.AsyncRollouts, "__init__", unpiped)
+    serial = run(tmp_path, "serial", "rollout.asynchronous=true", "rollout.max_staleness=1")
+    assert same(weights(piped["run_dir"], 4), weights(serial["run_dir"], 4))
+    assert [r["reward/total/mean"] for r in train_rows(piped["run_dir"])] == \
+        [r["reward/total/mean"] for r in train_rows(serial["run_dir"])]
 
 
 def test_agents_train_on_asynchronous_rollouts(tmp_path):

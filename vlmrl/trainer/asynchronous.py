@@ -9,7 +9,9 @@ answers of the version before (after the first, which has nothing older). The of
 
 How, in one process: a producer thread runs stages I + II (`rl.produce`: generation, rewards, tools, image
 preprocessing) on a copy of the policy (S > 0; the rollout engine when `rollout.engine=vllm`), one step at a time,
-in order. At the start of step s the trainer (1) waits until the producer has finished what it was given, (2) hands
+in order. Where the next step's generation does not depend on this step's scores (S > 0, no dynamic sampling, no
+curriculum, not ReMax), stage II runs on a scorer thread of its own: the rewards and judge calls of step k overlap the
+generation of step k + 1, and the answers, scores and updates are those of scoring each step before the next. At the start of step s the trainer (1) waits until the producer has finished what it was given, (2) hands
 the copy the current weights (version s - 1), (3) draws the prompts of step s + S and gives them to the producer,
 (4) takes step s's answers and trains on them while the producer generates step s + S. Every draw from the run's
 random stream happens on the trainer's thread, in step order, so a run repeats exactly; the producer's sampling uses
@@ -43,7 +45,7 @@ import torch
 from vlmrl.errors import TrainingError
 from vlmrl.models.policy import Policy
 from vlmrl.trainer.distributed import TrainingForward, gathered
-from vlmrl.trainer.rl import Produced, produce
+from vlmrl.trainer.rl import Produced, generate_step, produce, score_step
 from vlmrl.trainer.types import StepContext
 
 PENDING_FILE = "pending_rollouts.pt"
@@ -80,8 +82,19 @@ class AsyncRollouts:
         self._busy_since = 0.0
         self._error: BaseException | None = None
         self._error_text = ""
+        # stage II (rewards, judge calls) of step k overlaps stage I of step k + 1 on a thread of its own, where the
+        # next step's generation does not depend on this step's scores: no dynamic sampling (it resamples on them and
+        # sizes the next draw by them) and no curriculum (its pass rates choose the next prompts)
+        self.pipelined = max_staleness > 0 and not ctx.algorithm.dynamic_sampling and ctx.observe is None and \
+            ctx.algorithm.advantage != "remax"
+        self._scoring: set[int] = set()  # steps generated, being scored
+        self._scores: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="vlmrl-rollout-producer", daemon=True)
         self._thread.start()
+        self._scorer = None
+        if self.pipelined:
+            self._scorer = threading.Thread(target=self._score, name="vlmrl-rollout-scorer", daemon=True)
+            self._scorer.start()
 
     # -- the producer thread -----------------------------------------------------------------------------------------
     def _context(self, step: int) -> StepContext:
@@ -97,19 +110,47 @@ class AsyncRollouts:
             step, version, samples = item
             try:
                 ctx = self._context(step)
-                out = produce(ctx, samples, self.resample)
-                out.version = version
+                if self.pipelined:  # stage I here; the scorer takes stage II while the next step generates
+                    generated = generate_step(ctx, samples)
+                else:
+                    out = produce(ctx, samples, self.resample)
+                    out.version = version
             except BaseException as exc:  # handed to the trainer's thread, which stops the run with it
-                with self._done:
-                    self._error, self._error_text = exc, traceback.format_exc()
-                    self._busy = None
-                    self._done.notify_all()
+                self._fail(exc)
+                return
+            with self._done:
+                if self.pipelined:
+                    self._scoring.add(step)
+                    self._scores.put((step, version, samples, generated, ctx))
+                else:
+                    self.produced[step] = out
+                    self.signal_share = ctx.signal_share  # (dynamic sampling: the next draw's size follows it)
+                self._busy = None
+                self._done.notify_all()
+
+    def _score(self) -> None:
+        while True:
+            item = self._scores.get()
+            if item is None:
+                return
+            step, version, samples, generated, ctx = item
+            try:
+                out = score_step(ctx, samples, generated)
+                out.version = version
+            except BaseException as exc:
+                self._fail(exc)
                 return
             with self._done:
                 self.produced[step] = out
-                self.signal_share = ctx.signal_share  # (dynamic sampling: the next draw's size follows it)
-                self._busy = None
+                self._scoring.discard(step)
                 self._done.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        with self._done:
+            self._error, self._error_text = exc, traceback.format_exc()
+            self._busy = None
+            self._scoring.clear()
+            self._done.notify_all()
 
     # -- the trainer's side ------------------------------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -123,12 +164,14 @@ class AsyncRollouts:
         with self._done:
             while not until():
                 self._raise_if_failed()
-                if not self._thread.is_alive():
+                if not self._thread.is_alive() or (self._scorer is not None and not self._scorer.is_alive()):
                     raise TrainingError("the rollout producer stopped without an error; the run cannot go on")
                 left = self.timeout - (time.perf_counter() - t0)
                 if left <= 0:
                     busy = f"step {self._busy}'s answers for {time.perf_counter() - self._busy_since:.0f} s" \
                         if self._busy is not None else "nothing"
+                    if self._scoring:
+                        busy += f" (and scoring step {min(self._scoring)}'s)"
                     raise TrainingError(f"no rollouts after rollout.producer_timeout={self.timeout:g} s: the "
                                         f"producer has been generating {busy}; a reward, tool or judge that never "
                                         f"returns stops it like this (raise the timeout if generation is that slow)")
@@ -192,8 +235,8 @@ class AsyncRollouts:
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
     def save(self, checkpoint: Path, rank: int) -> None:
-        """The produced-but-not-trained steps, after the one being generated is done."""
-        self._wait(lambda: self._busy is None)
+        """The produced-but-not-trained steps, after the one being generated (and scored) is done."""
+        self._wait(lambda: self._busy is None and not self._scoring)
         torch.save({"next_request": self.next_request, "produced": dict(self.produced),
                     "samples": dict(self.samples), "signal_share": self.signal_share},
                    pending_file(checkpoint, rank))
@@ -212,4 +255,7 @@ class AsyncRollouts:
 
     def close(self) -> None:
         self._requests.put(None)
+        self._scores.put(None)
         self._thread.join(timeout=5)
+        if self._scorer is not None:
+            self._scorer.join(timeout=5)

@@ -103,9 +103,20 @@ def collect_and_score(ctx: StepContext, samples: list[dict], round_index: int = 
     """Stages I + II for one generation round over `samples`, the round's prompts in order. Under torchrun this rank
     generates and scores its contiguous shard of them (the returned batch), and the curriculum observes every
     rank's groups, in the round's order, so its pass rates and filters are the same on every rank."""
+    return score_collected(ctx, samples, collect_shard(ctx, samples, round_index))
+
+
+def collect_shard(ctx: StepContext, samples: list[dict], round_index: int = 0) -> tuple:
+    """Stage I of one round: this rank's shard of `samples`, its prompts and answers."""
     start, stop = shard(len(samples), ctx.dist)
     mine = samples[start:stop]
-    prompts, rollout = collect(ctx, mine, round_index=round_index, offset=start)
+    return (mine, *collect(ctx, mine, round_index=round_index, offset=start))
+
+
+def score_collected(ctx: StepContext, samples: list[dict], collected: tuple) -> Batch:
+    """Stage II of one round collected by `collect_shard` (and ReMax's greedy answers, which it samples)."""
+    mine, prompts, rollout = collected
+    start = shard(len(samples), ctx.dist)[0]
     rewards, columns = score(ctx, mine, rollout)
     batch = Batch(mine, prompts, rollout, rewards, columns, correct=correctness(rollout.texts, columns, ctx.solved,
                                                                                  rewards))
@@ -311,6 +322,24 @@ def produce(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
         if ctx.algorithm.dynamic_sampling and draw is not None:
             batch = dynamic_sampling(ctx, batch, draw, len(samples))
     return Produced(batch, first, vision_calls, time.perf_counter() - t0)
+
+
+def generate_step(ctx: StepContext, samples: list[dict]) -> tuple[tuple, int, float]:
+    """Stage I of a step of one round (no dynamic sampling): what `score_step` scores, the vision-tower calls and
+    the seconds it took."""
+    t0 = time.perf_counter()
+    vision_before = ctx.policy.family.vision_calls
+    with ctx.policy.sampling():
+        collected = collect_shard(ctx, samples)
+    return collected, ctx.policy.family.vision_calls - vision_before, time.perf_counter() - t0
+
+
+def score_step(ctx: StepContext, samples: list[dict], generated: tuple[tuple, int, float]) -> Produced:
+    """Stage II of a step `generate_step` sampled: the step as `produce` gives it."""
+    collected, vision_calls, seconds = generated
+    t0 = time.perf_counter()
+    batch = score_collected(ctx, samples, collected)
+    return Produced(batch, batch, vision_calls, seconds + time.perf_counter() - t0)
 
 
 def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None,
