@@ -77,17 +77,23 @@ def diagnose(checkpoint: str, n: int = 200) -> str:
             f"was on target {right_on_hit}/{max(hits, 1)}")
 
 
-def on_target(start: dict, final: dict) -> str:
-    """Greedy held-out episodes whose first zoom covered the target cell (`agent/on_target`), before -> after RL."""
-    key = "greedy/agent/on_target"
-    if key not in start or key not in final:
+def before_after(start: dict, final: dict, key: str) -> str:
+    """`key` of the held-out evaluation before -> after RL, in percent, and the change in points."""
+    if start.get(key) is None or final.get(key) is None:
         return ""
     return f"{100 * start[key]:.1f}% -> {100 * final[key]:.1f}% ({100 * (final[key] - start[key]):+.1f})"
 
 
+def on_target(start: dict, final: dict, mode: str = "greedy") -> str:
+    """Held-out episodes whose first zoom covered the target cell (`agent/on_target`), before -> after RL; `mode`:
+    greedy, or sampled at the training temperature (the policy's own share, the one RL trains)."""
+    return before_after(start, final, f"{mode}/agent/on_target")
+
+
 def table(results: list[dict]) -> str:
     head = ["arm", "seed", "greedy after SFT", "greedy after RL", "RL - SFT", "zoom on target: SFT -> RL",
-            "tool-call rate over training (quarters)", "eval tool calls / invalid", "wall time"]
+            "sampled (T = 1): accuracy", "sampled: zoom on target", "tool-call rate over training (quarters)",
+            "eval tool calls / invalid", "wall time"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for arm in ARMS:
         rows = [r for r in results if r["arm"] == arm]
@@ -95,7 +101,8 @@ def table(results: list[dict]) -> str:
             s, f = r["start"], r["final"]
             lines.append("| " + " | ".join([
                 arm, str(r["seed"]), ci(s), ci(f), f"{100 * (f['greedy/accuracy'] - s['greedy/accuracy']):+.1f}",
-                on_target(s, f), " / ".join(f"{100 * q:.0f}%" for q in r["tool_call_rate"]),
+                on_target(s, f), before_after(s, f, "sampled/accuracy"), on_target(s, f, "sampled"),
+                " / ".join(f"{100 * q:.0f}%" for q in r["tool_call_rate"]),
                 f"{100 * f.get('greedy/tool/call_rate', 0):.0f}% / {100 * f.get('greedy/tool/invalid_rate', 0):.0f}%",
                 f"{r['wall_seconds']:.0f} s"]) + " |")
         if rows:
@@ -103,7 +110,7 @@ def table(results: list[dict]) -> str:
             final = [r["final"]["greedy/accuracy"] for r in rows]
             gains = [b - a for a, b in zip(start, final, strict=True)]
             lines.append("| " + " | ".join([f"**{arm}: mean ± std**", "", mean_std(start), mean_std(final),
-                                            mean_std(gains), "", "", "",
+                                            mean_std(gains), "", "", "", "", "",
                                             f"{statistics.mean(r['wall_seconds'] for r in rows):.0f} s"]) + " |")
     return "\n".join(lines)
 
