@@ -9,10 +9,12 @@ same tokenizer, data, SFT steps, RL steps and evaluation. Prints a markdown tabl
 accuracy after SFT and after RL with 95% intervals, the tool-call rate over training, wall time) and writes the raw
 numbers to benchmarks/results/<--results>.
 
-    python benchmarks/agentic_zoom.py --seeds 0 1 2 --results agentic_zoom_noisy.json data.sft.demo_on_target=0.5
+    python benchmarks/agentic_zoom.py --seeds 0 1 2 3 --results agentic_zoom_noisy.json \
+        data.sft.demo_on_target=0.5 data.sft.n=2000 sft.steps=3000 trainer.steps=200
 
 is the noisy-demonstration variant: half of the SFT demonstrations zoom on another cell, so the SFT start finds the
-blue cell partly by chance and RL has the tool-use policy to learn (the table's "zoom on target" column).
+blue cell only part of the time and RL has the tool-use policy to learn (the table's "zoom on target" columns,
+greedy and sampled).
 """
 
 from __future__ import annotations
