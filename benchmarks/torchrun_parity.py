@@ -3,6 +3,12 @@ accuracy after RL with its 95% interval, and the wall time of each.
 
     python benchmarks/torchrun_parity.py recipes/agentic_zoom.yaml recipes/ppo.yaml [--modes ddp fsdp2] [KEY=VALUE ...]
     python benchmarks/torchrun_parity.py --smoke     # seconds: a very small model, 2 steps, the two recipes above
+    python benchmarks/torchrun_parity.py recipes/agentic_zoom.yaml --modes ranks \
+        --set algorithm.dynamic_sampling=false rollout.asynchronous=true rollout.max_staleness=1
+
+`--modes ranks` runs the second arm as one training process and one rollout process (`rollout.rollout_ranks=1`,
+DDP; the recipe must be asynchronous, without dynamic sampling or a curriculum): the one-process arm is then the
+same asynchronous recipe with its producer on a thread.
 
 What a user moving from one GPU to eight expects: the same recipe and the same numbers, no new flags. Both arms draw
 the same prompts and, through each prompt's own seed, sample the same answers whether one process or two generate
@@ -56,7 +62,7 @@ def train(recipe: str, nproc: int, mode: str, out: Path, overrides: list[str]) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("recipes", nargs="*", default=["recipes/agentic_zoom.yaml", "recipes/ppo.yaml"])
-    ap.add_argument("--modes", nargs="+", default=["ddp"], choices=["ddp", "fsdp2"])
+    ap.add_argument("--modes", nargs="+", default=["ddp"], choices=["ddp", "fsdp2", "ranks"])
     ap.add_argument("--set", dest="overrides", nargs="*", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default="runs/torchrun_parity")
     ap.add_argument("--results", default="torchrun_parity.json")
@@ -70,6 +76,10 @@ def main() -> None:
         name = Path(recipe).stem
         results[name] = {"one process": train(recipe, 1, "none", out / f"{name}-one", overrides)}
         for mode in a.modes:
+            if mode == "ranks":  # one process trains, one generates
+                results[name]["torchrun x2 (1 training + 1 rollout rank)"] = train(
+                    recipe, 2, "ddp", out / f"{name}-ranks", [*overrides, "rollout.rollout_ranks=1"])
+                continue
             results[name][f"torchrun x2 ({mode})"] = train(recipe, 2, mode, out / f"{name}-{mode}", overrides)
         for arm, r in results[name].items():
             print(f"{name} {arm}: {r['accuracy']:.3f} ({r['seconds']:.0f} s)", flush=True)
