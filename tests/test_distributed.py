@@ -356,6 +356,25 @@ def test_a_failing_rollout_rank_stops_the_run_with_its_error(tmp_path):
     assert "rollout rank 1 failed on step 1" in done.stderr and "the judge is gone" in done.stderr
 
 
+@pytest.mark.slow  # ~15 s
+def test_a_silent_rollout_rank_stops_the_run_after_the_timeout(tmp_path):
+    """A reward that never returns on the rollout rank: the training rank stops the run after
+    rollout.producer_timeout, naming the rank and the step it waited for, instead of hanging."""
+    reward = tmp_path / "slow.py"
+    reward.write_text("import os, time\ndef score(completions, **columns):\n    if os.environ['RANK'] == '1':\n"
+                      "        time.sleep(120)\n    return [1.0 for c in completions]\n")
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vlmrl", "train", GRPO, *SMALL,
+            *STEPS, f"trainer.output_dir={tmp_path / 'run'}", "trainer.distributed=ddp",
+            # (inline: a reward worker process left sleeping would hold the captured output open)
+            f"rewards=[{{name: '{reward}:score', isolate: false}}]", "rollout.asynchronous=true",
+            "rollout.rollout_ranks=1", "rollout.producer_timeout=3"]
+    done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=100,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    assert "no answer from rank 1 within rollout.producer_timeout=3 s while waiting for step 1's answers" in \
+        done.stderr, done.stderr[-2000:]
+
+
 def test_rollout_ranks_are_refused_where_they_cannot_run():
     from vlmrl.config import load_config
     from vlmrl.errors import ConfigError

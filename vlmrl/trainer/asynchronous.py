@@ -253,7 +253,7 @@ class AsyncRollouts:
         self.next_request = state["next_request"]
         return True
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self._requests.put(None)
         self._scores.put(None)
         self._thread.join(timeout=5)

@@ -178,9 +178,10 @@ class RLJob:
         if self.ctx.dist.links is not None:
             self.rollouts.start(resume or self.run_dir / "checkpoint-0", start_step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Stop the producer; `failed`: the run is ending with an error, so nothing it holds is waited for."""
         if self.rollouts is not None:
-            self.rollouts.close()
+            self.rollouts.close(failed)
 
 
 def check_distributed(cfg: Config, dist_info: DistInfo) -> None:

@@ -271,14 +271,15 @@ class RemoteRollouts:
             self.samples.update(state["samples"])
         return self.next_request is not None
 
-    def close(self) -> None:
-        if self.info.is_main:
-            try:
-                self._receive_outstanding()
-            finally:
-                for r in self.links.rollout:
-                    self.sending += send(("stop",), r, self.links)
-                finish(self.sending)
+    def close(self, failed: bool = False) -> None:
+        """Rank 0 takes what it asked for and tells the rollout ranks to stop. `failed` (the run is ending with an
+        error): nothing is waited for, since a rollout rank may never answer; torchrun ends them with the run."""
+        if not self.info.is_main or failed:
+            return
+        self._receive_outstanding()
+        for r in self.links.rollout:
+            self.sending += send(("stop",), r, self.links)
+        finish(self.sending)
 
 
 # -- the rollout ranks' side ------------------------------------------------------------------------------------------

@@ -291,6 +291,7 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
                            "eval")
     if cfg.rollout.asynchronous and job.dpo is None:
         job.start_rollouts(point.checkpoint if point else None, point.step if point else 0)
+    failed = True  # (an error on the way out: the producer is left as it is, not waited for)
     try:  # (asynchronous rollouts: the producer stops after the final checkpoint saved what it made)
         with StopRequest(progress.message) as stop:  # also through the final evaluation and checkpoint
             stopped_at = rl_loop(job, data, rewards, logger, progress, point.step + 1 if point else 1, stop)
@@ -307,8 +308,9 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
                                                 cfg.trainer.steps)
                 logger.log(summary["final"], cfg.trainer.steps, "eval")
                 summary["checkpoint"] = str(job.checkpoint(cfg.trainer.steps))
+        failed = False
     finally:
-        job.close()
+        job.close(failed)
     summary["notes"] += warnings + job.notes
     summary["wall_seconds"] = job.wall_before + time.perf_counter() - t_start
     if stopped_at is None:
