@@ -44,7 +44,7 @@ import torch
 
 from vlmrl.errors import TrainingError
 from vlmrl.models.policy import Policy
-from vlmrl.trainer.distributed import TrainingForward, gathered
+from vlmrl.trainer.distributed import TrainingForward, full_parameters, gathered
 from vlmrl.trainer.rl import Produced, generate_step, produce, score_step
 from vlmrl.trainer.types import StepContext
 
@@ -85,8 +85,8 @@ class AsyncRollouts:
         # stage II (rewards, judge calls) of step k overlaps stage I of step k + 1 on a thread of its own, where the
         # next step's generation does not depend on this step's scores: no dynamic sampling (it resamples on them and
         # sizes the next draw by them) and no curriculum (its pass rates choose the next prompts)
-        self.pipelined = max_staleness > 0 and not ctx.algorithm.dynamic_sampling and ctx.observe is None and \
-            ctx.algorithm.advantage != "remax"
+        # (ReMax, which samples again while scoring, is refused with asynchronous rollouts)
+        self.pipelined = max_staleness > 0 and not ctx.algorithm.dynamic_sampling and ctx.observe is None
         self._scoring: set[int] = set()  # steps generated, being scored
         self._scores: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._work, name="vlmrl-rollout-producer", daemon=True)
@@ -188,10 +188,10 @@ class AsyncRollouts:
             with gathered(ctx.forward):
                 ctx.engine.push_weights(ctx.policy)
         elif self.rollout_policy is not None:
-            with torch.no_grad(), gathered(ctx.forward):
-                for src, dst in zip(ctx.policy.model.parameters(), self.rollout_policy.model.parameters(),
+            with torch.no_grad():
+                for src, dst in zip(full_parameters(ctx.policy, ctx.forward), self.rollout_policy.model.parameters(),
                                     strict=True):
-                    dst.copy_(src.full_tensor() if hasattr(src, "full_tensor") else src)
+                    dst.copy_(src)
         self.copy_version = version
 
     def _request(self, step: int, version: int) -> None:

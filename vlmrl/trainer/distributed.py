@@ -238,6 +238,14 @@ def gathered(module: nn.Module):
             m.set_reshard_after_forward(True)
 
 
+def full_parameters(policy: Policy, module: nn.Module):
+    """The policy's parameters in order, each whole (FSDP2: gathered by every rank, which must all iterate), for
+    handing the weights to a sampler: a copy, an engine, a rollout rank."""
+    with torch.no_grad(), gathered(module):
+        for p in policy.model.parameters():
+            yield p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
 def no_sync(module: nn.Module, last: bool):
     """DDP: skip the gradient all-reduce on all but the last micro-batch of a minibatch."""
     if hasattr(module, "no_sync") and not last:

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from vlmrl.errors import ConfigError, TrainingError
 from vlmrl.trainer.asynchronous import pending_file
-from vlmrl.trainer.distributed import DistInfo, broadcast_object, gathered, join_process_group, process_device
+from vlmrl.trainer.distributed import DistInfo, broadcast_object, full_parameters, join_process_group, process_device
 from vlmrl.trainer.rl import Produced, concat_batches, keep_groups, produce
 from vlmrl.trainer.types import StepContext
 
@@ -124,11 +124,9 @@ def broadcast_weights(ctx: StepContext) -> None:
     """Every training rank: the policy's full parameters, in order, to the rollout ranks (rank 0 broadcasts; under
     FSDP2 each parameter is gathered by all training ranks first)."""
     info = ctx.dist
-    with torch.no_grad(), gathered(ctx.forward):
-        for p in ctx.policy.model.parameters():
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            if info.is_main:
-                dist.broadcast(full.detach().contiguous(), src=0, group=info.links.weights)
+    for full in full_parameters(ctx.policy, ctx.forward):
+        if info.is_main:
+            dist.broadcast(full.detach().contiguous(), src=0, group=info.links.weights)
 
 
 def receive_weights(policy, links: Links) -> None:

@@ -203,14 +203,12 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     else:
         dist_info = init_distributed(cfg.trainer.distributed, cfg.model.device)
     check_distributed(cfg, dist_info)
+    rewards = reward_specs(cfg)  # the length penalty's limits follow the generation budget unless set
+    check_specs(rewards)  # an unknown reward or option fails here, before data or model are built
     if dist_info.role == "rollout":  # generates what training rank 0 asks for, until it says stop
-        rewards = reward_specs(cfg)
-        check_specs(rewards)
         return serve_rollouts(cfg, dist_info, rewards)
     if not dist_info.is_main:
         progress = Progress()  # one progress bar and one log: rank 0's
-    rewards = reward_specs(cfg)  # the length penalty's limits follow the generation budget unless set
-    check_specs(rewards)  # an unknown reward or option fails here, before data or model are built
     check_algorithm(cfg.algorithm)  # so does a user's estimator or loss that breaks its contract
     Solved.from_config(cfg)  # solved.reward names a component or a registered reward
     warnings = budget_warnings(cfg)
