@@ -107,8 +107,12 @@ class FakeLLM:
     def wake_up(self):
         self.events.append("wake")
 
-    def apply_model(self, fn):
-        return fn(SimpleNamespace(load_weights=self.load_weights))
+    def collective_rpc(self, method, args=()):
+        """The worker of vLLM 0.32: a model runner that reloads weights from an iterator (no tied head to re-pack)."""
+        model = SimpleNamespace(load_weights=self.load_weights, modules=lambda: [])
+        runner = SimpleNamespace(get_model=lambda: model,
+                                 reload_weights=lambda weights_iterator=None: self.load_weights(weights_iterator))
+        return [method(SimpleNamespace(model_runner=runner), *args)]
 
     def load_weights(self, weights):
         self.events.append("load")

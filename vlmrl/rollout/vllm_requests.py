@@ -26,8 +26,9 @@ from vlmrl.rollout.generate import Rollout
 class EngineRequest:
     """One prompt or one live trajectory: `n` answers of at most `max_tokens` tokens each after `ids`."""
 
-    ids: list[int]  # the whole row's token ids, image placeholders expanded
+    ids: list[int]  # the whole row's token ids as the trainer scores them, image placeholders expanded
     images: list = field(default_factory=list)  # every image of the row, in order (PIL)
+    image_tokens: list[int] = field(default_factory=list)  # each image's features (its placeholders in `ids`)
     seed: int | None = None  # the row's own random stream (None: vLLM's)
     max_tokens: int = 1  # this row's budget
     n: int = 1  # answers (a prompt's group at turn 0; 1 for a trajectory's next turn)
@@ -53,8 +54,8 @@ def batch_requests(policy: Policy, batch: PromptBatch, images: list[list], seeds
             raise DataError(f"sample {name!r}, turn {turn}: the request to vLLM has {placeholders} image placeholder "
                             f"tokens and {len(images[i])} image(s), but the trajectory's {count} image(s) give "
                             f"{features} features")
-        requests.append(EngineRequest(ids.tolist(), list(images[i]), None if seeds is None else seeds[i],
-                                      int(budgets[i]), n, name, turn))
+        requests.append(EngineRequest(ids.tolist(), list(images[i]), list(batch.image_tokens[at - count:at]),
+                                      None if seeds is None else seeds[i], int(budgets[i]), n, name, turn))
     return requests
 
 

@@ -1,11 +1,10 @@
 """What a weight push hands vLLM (vlmrl.rollout.vllm_engine): the trainable weights under the base model's names,
-LoRA layers merged out of place in float32, and whether any of them shapes image features (the vision tower or the
-projector), in which case every engine cache that holds image-derived state must be reset after the push."""
+LoRA layers merged out of place in float32."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -61,10 +60,3 @@ def weights_to_push(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
     for name, p in model.named_parameters():
         if p.requires_grad and ".lora_" not in name and _hf_name(name) not in pushed:
             yield _hf_name(name), p.detach()
-
-
-def shapes_images(names: Iterable[str], family) -> bool:
-    """Whether any pushed weight (base-model names) belongs to the vision tower or the projector of `family`: then
-    image features computed before the push are stale."""
-    prefixes = tuple(family.vision_prefixes) + tuple(family.projector_prefixes)
-    return bool(prefixes) and any(name.startswith(prefixes) for name in names)

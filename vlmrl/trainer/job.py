@@ -284,7 +284,7 @@ def start_vllm(cfg: Config, ctx: StepContext, run_dir: Path, dist_info):
     """A colocated vLLM engine started from checkpoint-0 (under LoRA a merged copy of it), then given the current
     weights (a resumed run's)."""
     from vlmrl.models.trainable import merge_checkpoint
-    from vlmrl.rollout.vllm_engine import VLLMEngine
+    from vlmrl.rollout.vllm_engine import VLLMEngine, engine_options
 
     start = run_dir / "checkpoint-0"
     if ctx.policy.has_adapters:
@@ -293,7 +293,8 @@ def start_vllm(cfg: Config, ctx: StepContext, run_dir: Path, dist_info):
             merge_checkpoint(start, merged, dtype=cfg.model.dtype)  # the precision training runs in
         barrier(dist_info)
         start = merged
-    engine = VLLMEngine(start, cfg.rollout.vllm, seed=cfg.trainer.seed, device=dist_info.device)
+    options = engine_options(cfg.rollout.vllm, cfg.model.dtype, cfg.model.autocast, dist_info.device)
+    engine = VLLMEngine(start, options, seed=cfg.trainer.seed, device=dist_info.device)
     with gathered(ctx.forward):
         engine.push_weights(ctx.policy)
     return engine

@@ -65,6 +65,13 @@ class Batch:
 
 
 # -- Stage I: collect ------------------------------------------------------------------------------------------------
+def sampling_mode(ctx: StepContext):
+    """The policy in eval mode while the built-in sampler generates with it. With an engine (vLLM) the policy only
+    prepares the prompts, so its mode is left alone: an asynchronous producer runs beside the update on the live
+    model, and switching it to eval mode there would turn gradient checkpointing and dropout off mid-update."""
+    return ctx.policy.sampling() if ctx.engine is None else nullcontext()
+
+
 def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None,
             temperature: float | None = None, round_index: int = 0, offset: int = 0) -> tuple[PromptBatch, Rollout]:
     """G answers for every prompt, in one batched generation call. `offset`: the global position of samples[0] in
@@ -75,7 +82,7 @@ def collect(ctx: StepContext, samples: list[dict], group_size: int | None = None
     temperature = r.temperature if temperature is None else temperature
     if ctx.agent is not None:  # multi-turn: the rollout's context holds each trajectory's whole conversation
         # (on vLLM every turn samples in the engine: the policy's full parameters are not needed)
-        with ctx.policy.sampling(), gathered(ctx.forward) if ctx.engine is None else nullcontext():
+        with sampling_mode(ctx), gathered(ctx.forward) if ctx.engine is None else nullcontext():
             out = ctx.agent.rollout(ctx.policy, prompts, samples, group_size or r.group_size, temperature, r.top_k,
                                     r.top_p, seeds, engine=ctx.engine)
         return prompts, out.rollout
@@ -315,7 +322,7 @@ def produce(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[di
     """Stages I + II of a step: every generation call of it, dynamic sampling's resampling rounds included."""
     t0 = time.perf_counter()
     vision_before = ctx.policy.family.vision_calls
-    with ctx.policy.sampling():
+    with sampling_mode(ctx):
         batch = collect_and_score(ctx, samples)
         vision_calls = ctx.policy.family.vision_calls - vision_before
         first = batch
@@ -329,7 +336,7 @@ def generate_step(ctx: StepContext, samples: list[dict]) -> tuple[tuple, int, fl
     the seconds it took."""
     t0 = time.perf_counter()
     vision_before = ctx.policy.family.vision_calls
-    with ctx.policy.sampling():
+    with sampling_mode(ctx):
         collected = collect_shard(ctx, samples)
     return collected, ctx.policy.family.vision_calls - vision_before, time.perf_counter() - t0
 

@@ -292,9 +292,10 @@ def serve_rollouts(cfg, info: DistInfo, rewards) -> dict:
     policy = load_policy(start, m.dtype, info.device, m.min_pixels, m.max_pixels, m.autocast)
     engine = None
     if cfg.rollout.engine == "vllm":
-        from vlmrl.rollout.vllm_engine import VLLMEngine
+        from vlmrl.rollout.vllm_engine import VLLMEngine, engine_options
 
-        engine = VLLMEngine(start, cfg.rollout.vllm, seed=cfg.trainer.seed, device=info.device)
+        options = engine_options(cfg.rollout.vllm, m.dtype, m.autocast, info.device)
+        engine = VLLMEngine(start, options, seed=cfg.trainer.seed, device=info.device)
     ctx = StepContext(policy, None, None, rewards, cfg.rollout, cfg.algorithm, cfg.trainer, cfg.data.prompt_template,
                       cfg.data.max_prompt_length, generator=torch.Generator().manual_seed(cfg.trainer.seed),
                       dist=info, engine=engine, agent=AgentSpec.from_config(cfg.agent, policy.processor),
