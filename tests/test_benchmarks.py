@@ -146,7 +146,7 @@ SLOW = {  # the sweeps and servers, 10-35 s each on a 2-core CPU: run with -m sl
     "torchrun_parity.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/parity.json"], "torchrun x2"),
 }
 OWN_TESTS = {"serve_hostile_load.py", "trl_side_by_side.py", "trl_grpo_worker.py", "agent_step_cost.py",
-             "agent_env_overlap.py"}
+             "agent_env_overlap.py", "vllm_side_by_side.py"}  # the last: tests/test_vllm_real.py (the vLLM env)
 
 
 def run_smallest(name: str, spec: tuple[list[str], str], start: Path | None, out: Path) -> None:

