@@ -56,10 +56,11 @@ class StandInEngine:
     """The engine interface over the built-in sampler, with log-probs off by 0.05 as another kernel's would be."""
 
     def __init__(self):
-        self.pushes, self.calls = 0, 0
+        self.pushes, self.calls, self.modes = 0, 0, []
 
     def generate(self, policy, prompts, samples, group_size, max_new_tokens, temperature, top_k, top_p, seeds):
         self.calls += 1
+        self.modes.append(policy.model.training)  # the live model's mode while the engine samples
         r = generate(policy, prompts, group_size, max_new_tokens, temperature, top_k, top_p, prompt_seeds=seeds)
         r.logprobs = (r.logprobs - 0.05) * r.completion_mask
         return r
@@ -85,6 +86,22 @@ def test_step_with_another_engine_recomputes_old_logprobs_and_pushes_weights(tin
     assert metrics["rollout/logprob_gap_max"] == pytest.approx(0.05, abs=1e-4)
     assert metrics["rollout/logprob_gap_mean"] == pytest.approx(0.05, abs=1e-4)
     assert metrics["clip_fraction"] == 0.0  # ratios are 1 at the first (only) update of a freshly sampled batch
+
+
+def test_an_engine_leaves_the_live_models_mode_alone(tiny_model_dir, count_samples):
+    """With an engine, stage I only prepares prompts with the policy: an asynchronous producer thread runs it beside
+    the update on the live model, and switching that model to eval mode would turn gradient checkpointing and dropout
+    off for the update micro-batches that overlap (22 of 36 in a stand-in run before the fix)."""
+    from vlmrl.trainer.rl import produce
+
+    cfg = load_config(None, ["rollout.group_size=2", "rollout.max_new_tokens=4"])
+    policy = load_policy(tiny_model_dir)
+    policy.model.train()
+    engine = StandInEngine()
+    ctx = StepContext(policy, None, None, [RewardSpec("format", 1.0)], cfg.rollout, copy.deepcopy(cfg.algorithm),
+                      cfg.trainer, generator=torch.Generator().manual_seed(0), engine=engine)
+    produce(ctx, count_samples[:2])
+    assert engine.modes == [True] and policy.model.training
 
 
 # -- the engine class over a stand-in `vllm` module ------------------------------------------------------------------
