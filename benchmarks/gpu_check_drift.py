@@ -12,16 +12,23 @@ LORA_R = 16  # adapter rank of the check and of the LoRA training cases
 
 
 class RecordingLLM:
-    """Stands in for `vllm.LLM` where vLLM cannot run: `apply_model(fn)` calls `fn` on a model whose `load_weights`
-    consumes the pushed (name, tensor) stream the way vLLM's does and records names, shapes and dtypes; sleeping,
-    waking and the prefix cache are no-ops."""
+    """Stands in for `vllm.LLM` where vLLM cannot run: `collective_rpc(fn)` calls `fn` on a worker whose model's
+    `load_weights` consumes the pushed (name, tensor) stream the way vLLM's does and records names, shapes and dtypes
+    (a worker without `reload_weights`, as before vLLM 0.32); sleeping, waking and the cache resets are no-ops."""
 
     def __init__(self):
         self.loads: list[list[tuple[str, tuple, str]]] = []
         self.model = self
+        self.model_runner = self  # the worker, its model runner and its model, all in one
 
-    def apply_model(self, fn):
-        return [fn(self.model)]
+    def collective_rpc(self, method, args=()):
+        return [method(self, *args)]
+
+    def get_model(self):
+        return self
+
+    def modules(self):  # no tied head to re-pack
+        return iter(())
 
     def load_weights(self, weights) -> set[str]:
         record = []
@@ -36,13 +43,19 @@ class RecordingLLM:
     def reset_prefix_cache(self) -> bool:
         return True
 
+    def reset_encoder_cache(self) -> None: ...
+    def reset_mm_cache(self) -> None: ...
+
 
 def standin_engine(device: str):
     """A `VLLMEngine` whose `llm` is a `RecordingLLM` (made without __init__, which starts vLLM)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from vlmrl.rollout.vllm_engine import DEFAULTS, VLLMEngine
 
     engine = VLLMEngine.__new__(VLLMEngine)
     engine.options = {**DEFAULTS, "sleep": False}
+    engine._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
     engine.asleep = False
     engine.device = device
     engine.llm = RecordingLLM()

@@ -243,9 +243,12 @@ class VLLMEngine:
                 yield name, tensor
 
         with self.awake():
-            self._call("weight push", lambda: load_weights(self.llm, stream()))
+            self._call("weight push", lambda: self._load(stream()))
             self.reset_caches()
         return len(names)
+
+    def _load(self, weights: Iterator[tuple[str, Tensor]]) -> None:
+        load_weights(self.llm, weights)
 
     def reset_caches(self) -> list[str]:
         """After a push: every cache that holds state of the old weights (vllm_compat.reset_caches); returns their
