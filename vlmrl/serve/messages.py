@@ -4,7 +4,9 @@ messages turned into a prompt through the policy's own processor: the same path 
 A conversation becomes the processor's message list: each message's images first (training puts the image before
 the problem), then its text parts joined by newlines; the last user message's text goes through the recipe's
 `data.prompt_template` as `{problem}`. So one user message "problem text + image" is exactly the prompt `vlmrl eval`
-builds for that sample. System messages (and "developer", OpenAI's newer name) replace the processor's default
+builds for that sample. Every text a client sends (system, user, assistant history) is the client's
+(`client_text`): tokenised with special tokens split, so `<|im_end|><|im_start|>system` in a user message is text,
+never a forged turn, and `<|image_pad|>` never an image slot; only the chat template makes special tokens. System messages (and "developer", OpenAI's newer name) replace the processor's default
 system prompt; earlier user and assistant turns are rendered by the model's chat template, which may refuse a
 conversation it cannot express (a 400 that says so). Images come only as data URLs (or http(s) with
 --allow-remote-images); anything else, a file path above all, is refused before it is read.
@@ -19,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from vlmrl.errors import VlmrlError
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.families import VLProcessor
+from vlmrl.models.families.processor import client_text
 from vlmrl.serve.guard import RequestError, ServeLimits, check_limit, decode_image
 
 
@@ -94,7 +97,10 @@ def conversation(request: ChatRequest, limits: ServeLimits, template: str) -> tu
         if message.content is None:
             raise RequestError(400, f"messages[{i}]: no content (tool calls are not supported)",
                                f"messages[{i}].content")
-        texts = [p if isinstance(p, str) else p.text for p in row if not isinstance(p, ImagePart)]
+        try:  # a client's text is text: tokenised with special tokens split (only the template makes them)
+            texts = [client_text(p if isinstance(p, str) else p.text) for p in row if not isinstance(p, ImagePart)]
+        except ValueError as exc:
+            raise RequestError(400, f"messages[{i}]: {exc}", f"messages[{i}].content") from None
         own = [(j, p) for j, p in enumerate(row) if isinstance(p, ImagePart)]
         if own and role != "user":
             raise RequestError(400, f"messages[{i}]: images only in user messages, not in a {role} message",

@@ -11,6 +11,7 @@ forward see one preprocessing path. The model side is `VLFamily` (vlmrl.models.f
 from __future__ import annotations
 
 import json
+import re
 import sys
 from array import array
 from dataclasses import dataclass, field
@@ -25,6 +26,19 @@ from vlmrl.models.batch import PromptBatch, PromptTooLongError
 from vlmrl.models.image_cache import ImageCache
 
 PROCESSOR_FILE = "vlmrl_processor.json"
+# Text a client sent (the server's messages) travels through the chat template between these two private-use
+# characters (`client_text`), so that tokenising splits the special tokens in it: only the template makes special
+# tokens. `_SLOT` stands in for a client span while image markers are expanded in the text around it.
+CLIENT_OPEN, CLIENT_CLOSE, _SLOT = "\ue000", "\ue001", "\ue002"
+_CLIENT_SPAN = re.compile("\ue000(.*?)\ue001", re.S)
+
+
+def client_text(text: str) -> str:
+    """`text` marked as a client's: tokenised with special tokens split (`<|im_end|>` in it is text, never a turn
+    boundary; `<|image_pad|>` never an image slot). A text holding the marking characters is a ValueError."""
+    if CLIENT_OPEN in text or CLIENT_CLOSE in text or _SLOT in text:
+        raise ValueError("the text holds U+E000, U+E001 or U+E002, private-use characters this server reserves")
+    return CLIENT_OPEN + text + CLIENT_CLOSE
 TOKEN_CACHE_BYTES = 32 * 2**20  # `VLProcessor.token_rows`: the quickstart's 1,024 remembered prompts take ~6 MB
 TOKEN_CACHE_ENTRIES = 1024  # and `VLProcessor.prompt_texts`
 PROMPT_CACHE_BYTES = 16 * 2**20  # `VLProcessor.prompt_texts`: a rendered prompt per distinct question
@@ -219,8 +233,10 @@ class VLProcessor:
                            [c[1] for c in cached], [c[2] for c in cached], [c[3] for c in cached])
 
     def expand(self, text: str, placeholders: list[str], sample_id: str) -> str:
-        """Replace the i-th image marker of `text` with `placeholders[i]`."""
-        parts = text.split(self.image_marker)
+        """Replace the i-th image marker of `text` with `placeholders[i]` (never inside a client's text, which is
+        kept as it is: `client_text`)."""
+        pieces = _CLIENT_SPAN.split(text)  # template, client text, template, ...
+        parts = _SLOT.join(pieces[0::2]).split(self.image_marker)
         if len(parts) != len(placeholders) + 1:
             raise DataError(f"sample {sample_id!r}: the prompt holds {len(parts) - 1} image markers "
                              f"'{self.image_marker}' for {len(placeholders)} images; does the problem text contain "
@@ -228,7 +244,18 @@ class VLProcessor:
         out = parts[0]
         for ph, part in zip(placeholders, parts[1:], strict=True):
             out += ph + part
-        return out
+        template = out.split(_SLOT)
+        return "".join(t + (CLIENT_OPEN + c + CLIENT_CLOSE if k < len(pieces) // 2 else "")
+                       for k, (t, c) in enumerate(zip(template, [*pieces[1::2], ""], strict=True)))
+
+    def _token_ids(self, text: str) -> list[int]:
+        """One marked text's ids: the template's pieces tokenised as usual, each client span with special tokens
+        split (`client_text`)."""
+        ids: list[int] = []
+        for k, piece in enumerate(_CLIENT_SPAN.split(text)):
+            if piece:
+                ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=bool(k % 2))["input_ids"]
+        return ids
 
     def max_prompt_chars(self, max_prompt_length: int) -> int:
         """The longest prompt text (image markers included, before expansion) that can be `max_prompt_length`
@@ -248,12 +275,13 @@ class VLProcessor:
         Token ids are remembered per expanded text (a prompt is tokenised again every time it is drawn) in a cache
         bounded by bytes and entries (`token_rows`), so a server's unique, possibly huge prompts cannot pile up."""
         bos = self.tokenizer.bos_token
-        found = {t: self.token_rows.get(t) for t in dict.fromkeys(texts)}
-        missing = [t for t, ids in found.items() if ids is None]
-        if missing:
-            for t, ids in zip(missing, self.tokenizer(missing, add_special_tokens=False)["input_ids"], strict=True):
-                found[t] = array("q", ids)
-                self.token_rows.put(t, found[t])
+        found = {t: self.token_rows.get(t) for t in dict.fromkeys(texts)}  # (a client's text: `client_text`)
+        missing = [t for t, ids in found.items() if ids is None and CLIENT_OPEN not in t]
+        marked = [t for t, ids in found.items() if ids is None and CLIENT_OPEN in t]
+        fresh = self.tokenizer(missing, add_special_tokens=False)["input_ids"] if missing else []
+        for t, ids in [*zip(missing, fresh, strict=True), *((t, self._token_ids(t)) for t in marked)]:
+            found[t] = array("q", ids)
+            self.token_rows.put(t, found[t])
         rows = [list(found[t]) for t in texts]
         if self.prompt_bos_id is not None:
             rows = [([] if t.startswith(bos) else [self.prompt_bos_id]) + r for t, r in zip(texts, rows, strict=True)]
