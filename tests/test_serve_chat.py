@@ -155,6 +155,18 @@ def test_only_the_chat_template_makes_special_tokens(client, model, samples):
     assert answer.choices[0].message.content is not None
 
 
+def test_a_lone_surrogate_in_any_text_is_a_400(server, samples):
+    """JSON can carry "\\ud800", which no tokenizer encodes (a 500 with a traceback before). Sent as raw JSON: an
+    OpenAI client cannot encode it."""
+    import json
+
+    for turns in (user(samples[0], "how many@?"), [{"role": "system", "content": "@"}, *user(samples[0])]):
+        body = json.dumps({"model": "run", "max_tokens": 1, "messages": turns}).replace("@", "\\ud800")
+        r = httpx.post(f"{server[0]}/v1/chat/completions", content=body, trust_env=False, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert r.status_code == 400 and "lone surrogate" in r.json()["error"]["message"], r.text[:300]
+
+
 def test_greedy_chat_answer_is_evals_answer(client, model, samples):
     res = evaluate(model.policy, samples, temperature=0.0, max_new_tokens=6, template=TEMPLATE)
     for s, record in zip(samples, res["records"], strict=True):

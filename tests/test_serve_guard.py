@@ -65,6 +65,39 @@ def test_decode_image_takes_data_urls_and_bytes_and_names_each_problem():
     assert "expected a data URL string" in refused(12)
 
 
+def _encoded(fmt: str, size=(8, 8)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, (200, 30, 30)).save(buf, fmt)
+    return buf.getvalue()
+
+
+EPS = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 10 10\n0 0 moveto 10 10 lineto stroke\nshowpage\n"
+
+
+def test_only_the_listed_formats_are_opened_and_only_as_declared(monkeypatch):
+    """PostScript sent as image/png would go to PIL's EPS plugin, which runs Ghostscript on the client's bytes; a
+    TIFF, PPM or GIF labelled image/png was accepted. Now a data URL's bytes are opened only as the type it declares,
+    raw bytes only as one of the listed types, and every failure is a 400."""
+    from PIL import EpsImagePlugin
+
+    ran = []
+    monkeypatch.setattr(EpsImagePlugin, "Ghostscript", lambda *a, **k: ran.append(a))
+    monkeypatch.setattr(EpsImagePlugin, "gs_binary", "gs", raising=False)
+    assert "not a readable image" in refused(data_url(EPS))
+    assert "not a readable image" in refused(EPS) and not ran
+    for fmt in ("TIFF", "PPM", "GIF", "JPEG"):
+        assert "read as PNG only" in refused(data_url(_encoded(fmt))), fmt
+    assert decode_image(data_url(_encoded("GIF"), "image/gif"), DEFAULT).size == (8, 8)
+    assert decode_image(data_url(_encoded("JPEG"), "image/jpeg"), DEFAULT).size == (8, 8)
+    assert decode_image(_encoded("WEBP"), DEFAULT).size == (8, 8)  # raw bytes: any listed format
+
+
+def test_an_image_the_processor_cannot_resize_is_a_400():
+    """Qwen-VL's resize raises past an aspect ratio of 200 (a 500 with a traceback before)."""
+    assert "aspect ratio over 200" in refused(data_url(png((1, 201))))
+    assert decode_image(data_url(png((1, 200))), DEFAULT).size == (1, 200)
+
+
 def test_a_decompression_bomb_is_refused_before_it_is_decoded():
     big = png((2000, 2000))  # 4 Mpx of one colour: a few kB of PNG
     assert len(big) < 100_000

@@ -211,6 +211,10 @@ class BodyLimit:
 
 # ---------------------------------------------------------------------------------------------------------- images
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/jpg", "image/webp", "image/gif", "image/bmp")
+# the PIL formats those types are: nothing else is ever opened (PIL would open PostScript and run Ghostscript on it)
+FORMATS = {"image/png": "PNG", "image/jpeg": "JPEG", "image/jpg": "JPEG", "image/webp": "WEBP", "image/gif": "GIF",
+           "image/bmp": "BMP"}
+MAX_ASPECT = 200  # the Qwen-VL processors' limit on the longer side over the shorter (their resize raises past it)
 
 
 def decode_image(source: str | bytes, limits: ServeLimits, param: str = "image"):
@@ -233,7 +237,7 @@ def decode_image(source: str | bytes, limits: ServeLimits, param: str = "image")
             data = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             raise RequestError(400, f"{param}: the data URL's base64 does not decode", param) from None
-        return _open(data, limits, param)
+        return _open(data, limits, param, FORMATS[media.lower()])
     if source.startswith(("http://", "https://")):
         if not limits.allow_remote_images:
             raise RequestError(400, f"{param}: remote image URLs are off on this server; send the image as a data "
@@ -336,21 +340,30 @@ def _fetch(url: str, limits: ServeLimits, param: str) -> bytes:
         connection.close()
 
 
-def _open(data: bytes, limits: ServeLimits, param: str):
-    from PIL import Image, UnidentifiedImageError
+def _open(data: bytes, limits: ServeLimits, param: str, declared: str | None = None):
+    """The image in `data`, opened only as one of the listed formats (`FORMATS`; `declared`: the one the data URL
+    names, which the bytes must be), its size checked against the server's limits before it is decoded. Every
+    failure is a 400 naming `param`."""
+    from PIL import Image
 
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(data))
-            if image.width * image.height > limits.max_image_pixels:
-                raise RequestError(400, f"{param}: {image.width}x{image.height} pixels is over the server's limit "
-                                        f"of {limits.max_image_pixels}", param)
+    formats = [declared] if declared else sorted(set(FORMATS.values()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        try:
+            image = Image.open(io.BytesIO(data), formats=formats)
+        except Exception as exc:  # noqa: BLE001  any failure of the decoder is the image's, never a 500
+            raise RequestError(400, f"{param}: not a readable image (read as {'/'.join(formats)} only: the type it "
+                                    f"declares, or those the server takes; {type(exc).__name__})", param) from None
+        w, h = image.size
+        if w * h > limits.max_image_pixels:
+            raise RequestError(400, f"{param}: {w}x{h} pixels is over the server's limit of {limits.max_image_pixels}",
+                               param)
+        if min(w, h) < 1 or max(w, h) > MAX_ASPECT * min(w, h):
+            raise RequestError(400, f"{param}: {w}x{h} has an aspect ratio over {MAX_ASPECT}, which the model's image "
+                                    "processor cannot take", param)
+        try:
             image.load()
-    except RequestError:
-        raise
-    except (UnidentifiedImageError, Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise RequestError(400, f"{param}: not a readable image ({type(exc).__name__})", param) from None
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise RequestError(400, f"{param}: the image does not decode ({exc})", param) from None
-    return image.convert("RGB")
+            return image.convert("RGB")
+        except Exception as exc:  # noqa: BLE001
+            raise RequestError(400, f"{param}: the image does not decode ({type(exc).__name__}: "
+                                    f"{str(exc)[:200]})", param) from None

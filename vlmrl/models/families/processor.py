@@ -35,9 +35,14 @@ _CLIENT_SPAN = re.compile("\ue000(.*?)\ue001", re.S)
 
 def client_text(text: str) -> str:
     """`text` marked as a client's: tokenised with special tokens split (`<|im_end|>` in it is text, never a turn
-    boundary; `<|image_pad|>` never an image slot). A text holding the marking characters is a ValueError."""
+    boundary; `<|image_pad|>` never an image slot). A text holding the marking characters or a lone surrogate (which
+    no tokenizer encodes) is a ValueError."""
     if CLIENT_OPEN in text or CLIENT_CLOSE in text or _SLOT in text:
         raise ValueError("the text holds U+E000, U+E001 or U+E002, private-use characters this server reserves")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text is not valid Unicode (a lone surrogate at character {exc.start})") from None
     return CLIENT_OPEN + text + CLIENT_CLOSE
 TOKEN_CACHE_BYTES = 32 * 2**20  # `VLProcessor.token_rows`: the quickstart's 1,024 remembered prompts take ~6 MB
 TOKEN_CACHE_ENTRIES = 1024  # and `VLProcessor.prompt_texts`
