@@ -155,6 +155,23 @@ def test_only_the_chat_template_makes_special_tokens(client, model, samples):
     assert answer.choices[0].message.content is not None
 
 
+def test_oversized_lists_are_refused_at_their_length_before_any_item_is_validated(server):
+    """A body of 300,000 `{}` messages made pydantic build one error per item (3.5 GB, every client blocked 15 s),
+    and a 300,000-string `stop` came back echoed in a 1.8 MB 400. Lists are bounded in the schema: refused at their
+    length, with a short answer that echoes nothing."""
+    import json
+
+    for body, said in (({"messages": [{}] * 5_000}, "messages: List should have at most 256 items"),
+                       ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 5_000}]},
+                        "List should have at most 64 items"),
+                       ({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 5_000},
+                        "List should have at most 4 items")):
+        r = httpx.post(f"{server[0]}/v1/chat/completions", content=json.dumps({"model": "run", **body}),
+                       trust_env=False, timeout=60,
+                       headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        assert r.status_code == 400 and said in r.json()["error"]["message"] and len(r.content) < 1000, r.text[:300]
+
+
 def test_a_lone_surrogate_in_any_text_is_a_400(server, samples):
     """JSON can carry "\\ud800", which no tokenizer encodes (a 500 with a traceback before). Sent as raw JSON: an
     OpenAI client cannot encode it."""

@@ -24,6 +24,10 @@ from vlmrl.models.families import VLProcessor
 from vlmrl.models.families.processor import client_text
 from vlmrl.serve.guard import RequestError, ServeLimits, check_limit, decode_image
 
+MAX_MESSAGES = 256  # messages in one request: lists are bounded in the schema, so an oversized one is refused at
+MAX_PARTS = 64  # its length before any item is validated (a body of 300,000 `{}` cost 3.5 GB of validation errors)
+MAX_STOPS = 4
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")  # a field this server does not honour is a 400, never ignored
@@ -49,7 +53,7 @@ Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[Part] | None = None
+    content: str | Annotated[list[Part], Field(max_length=MAX_PARTS)] | None = None
     name: str | None = None
 
 
@@ -62,13 +66,13 @@ class ChatRequest(_Strict):
     whatever else the server is doing; `max_tokens` defaults to the recipe's eval.max_new_tokens."""
 
     model: str
-    messages: list[Message] = Field(min_length=1)
+    messages: list[Message] = Field(min_length=1, max_length=MAX_MESSAGES)
     n: int = 1
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None  # the newer OpenAI name of max_tokens
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -76,8 +80,8 @@ class ChatRequest(_Strict):
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise RequestError(400, f"stop={self.stop!r}: up to 4 non-empty strings", "stop")
+        if len(stops) > MAX_STOPS or any(not s for s in stops):  # (the stops are not echoed: they may be huge)
+            raise RequestError(400, f"stop: up to {MAX_STOPS} non-empty strings ({len(stops)} given)", "stop")
         return tuple(stops)
 
 
