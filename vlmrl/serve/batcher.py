@@ -100,14 +100,14 @@ def batch_tokens(jobs: list[Job]) -> int:
 
 class Batcher:
     """Collects jobs on the event loop and runs compatible ones together in one worker thread (module docstring).
-    `calls` counts generate calls, `batch_answers` the answers of each, `cancelled_answers` the answers ended early
+    `calls` counts generate calls, `batch_answers` the answers of each of the last 1,024, `cancelled_answers` the answers ended early
     because their client left or timed out (/healthz reports them; the tests and benchmarks read them)."""
 
     def __init__(self, policy: Policy, limits: ServeLimits):
         self.policy, self.limits = policy, limits
         self.pending: list[Job] = []
         self.calls = 0
-        self.batch_answers: list[int] = []
+        self.batch_answers: deque[int] = deque(maxlen=1024)  # the latest calls' only: a server runs for weeks
         self.cancelled_answers = 0
         self.refused_busy = 0  # requests answered 503 because the queue was full
         self.last_call_seconds = 0.0  # how long the latest generate call took (Retry-After's estimate)

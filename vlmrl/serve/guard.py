@@ -23,6 +23,7 @@ import hmac
 import http.client
 import io
 import ipaddress
+import itertools
 import os
 import socket
 import ssl
@@ -120,7 +121,14 @@ def install_errors(app: Any) -> None:
         for e in exc.errors()[:5]:
             where = ".".join(str(p) for p in e.get("loc", ()) if p != "body")
             problems.append(f"{where or 'body'}: {e.get('msg', 'invalid')}")
-        param = ".".join(str(p) for p in exc.errors()[0].get("loc", ()) if p != "body") if exc.errors() else None
+        param = None
+        locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in exc.errors()[:5]]
+        if locs:  # the field the first problem is in: one union's branches (stop.str, stop.list[str]) -> stop
+            same = [loc for loc in locs if loc[:1] == locs[0][:1]]
+            common = locs[0]
+            for loc in same[1:]:
+                common = [a for a, _ in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(common, loc))]
+            param = ".".join(common) or None
         return JSONResponse(error_body(400, "; ".join(problems) or "invalid request", param), 400)
 
 
