@@ -127,7 +127,8 @@ def install_errors(app: Any) -> None:
             same = [loc for loc in locs if loc[:1] == locs[0][:1]]
             common = locs[0]
             for loc in same[1:]:
-                common = [a for a, _ in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(common, loc))]
+                pairs = zip(common, loc, strict=False)
+                common = [a for a, _ in itertools.takewhile(lambda ab: ab[0] == ab[1], pairs)]
             param = ".".join(common) or None
         return JSONResponse(error_body(400, "; ".join(problems) or "invalid request", param), 400)
 
