@@ -21,14 +21,15 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from off_policy import rows, vlmrl  # noqa: E402  (one `vlmrl train` run in its own process; its metrics)
 from smoke import SMALL_RUN  # noqa: E402
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache for the CPU engine (the runs inherit it)
 
 PLAIN = ["trainer.eval_every=0", "trainer.log_rollouts_every=0", "trainer.save_every=0", "trainer.save_every_minutes=0",
          "trainer.threads=1"]
@@ -39,20 +40,6 @@ SMOKE = ["model.tiny.hidden_size=64", "model.tiny.num_heads=2", "model.tiny.num_
          "model.tiny.vocab_size=400", *SMALL_RUN, "rollout.max_new_tokens=6", "eval.max_new_tokens=6",
          "trainer.steps=3", "model.image_cache_mb=64", "algorithm.overlong_filter=false"]
 ARMS = {"built-in sampler": ["rollout.engine=hf"], "vLLM": ["rollout.engine=vllm"]}
-
-
-def vlmrl(args: list[str], log: Path) -> float:
-    t0 = time.perf_counter()
-    with log.open("w") as out:
-        done = subprocess.run([sys.executable, "-m", "vlmrl", "train", *args], stdout=out, stderr=subprocess.STDOUT,
-                              env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
-    if done.returncode:
-        raise SystemExit(f"vlmrl train failed (see {log})")
-    return time.perf_counter() - t0
-
-
-def rows(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def result(run_dir: Path, seconds: float) -> dict:
