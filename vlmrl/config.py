@@ -430,12 +430,23 @@ def _correction(algorithm, rollout) -> str | None:
         return (f"algorithm.{what} with rollout.top_k={rollout.top_k}, top_p={rollout.top_p}: the sampler draws "
                 f"from the filtered distribution but the trainer scores the unfiltered one, so their log-probs are "
                 f"not of the same distribution; set rollout.top_k=0 and rollout.top_p=1, or turn the correction off")
-    low, high = algorithm.correction_low, algorithm.correction_high
-    if explicit and low is not None and high is not None and low > high:
-        return f"algorithm.correction_low={low} > correction_high={high}"
-    if method in ("token_tis", "sequence_tis", "mis") and low is not None:
-        return (f"algorithm.correction_low={low} with rollout_correction={method}: it bounds ratios from above only "
+    from vlmrl.algorithms.correction import resolve_correction
+
+    low = algorithm.correction_low
+    if method in ("auto", "token_tis", "sequence_tis", "mis") and low is not None:
+        what = f"rollout_correction={method}" + (" (token TIS where it applies)" if method == "auto" else "")
+        return (f"algorithm.correction_low={low} with {what}: it bounds ratios from above only "
                 f"(correction_high); use icepop or geometric for a two-sided bound")
+    # the bounds the run would use, each set one beside the other's default: an on-policy token (ratio 1) must keep
+    # its weight, else every weight is 0 and the policy-gradient term vanishes for the whole run
+    resolved = resolve_correction(algorithm, rollout)
+    if resolved.method != "none":
+        lo, hi = resolved.low, resolved.high
+        if (lo is not None and lo >= 1.0) or hi < 1.0 or (lo is not None and lo >= hi):
+            return (f"algorithm.rollout_correction={resolved.method} with bounds [{lo}, {hi}] (correction_low="
+                    f"{algorithm.correction_low}, correction_high={algorithm.correction_high}, the rest the method's "
+                    f"defaults): the bounds must hold the ratio 1 (low < 1 <= high), else the answers' weights are 0 "
+                    f"and nothing is learned")
     return None
 
 
@@ -538,7 +549,8 @@ RULES: tuple[Rule, ...] = (
     Rule(("rollout.vllm.max_model_len",), "`rollout.vllm.max_model_len` >= `data.max_prompt_length + "
          "rollout.max_new_tokens` (with an agent: `+ agent.max_total_tokens`)", _context),
     Rule(("algorithm.rollout_correction", "algorithm.ratio_denominator", "rollout.asynchronous",
-          "rollout.rollout_ranks"), "off-policy corrections need the proximal denominator and no top-k/top-p; "
+          "rollout.rollout_ranks", "algorithm.correction_low", "algorithm.correction_high"),
+         "off-policy corrections need the proximal denominator, no top-k/top-p and bounds that hold the ratio 1; "
          "asynchronous rollouts run without ReMax or DPO, and with dynamic sampling or a curriculum only with one "
          "minibatch and no replay; rollout ranks are asynchronous, without dynamic sampling, curricula, LoRA or vLLM",
          _off_policy),
