@@ -217,3 +217,26 @@ def test_reasoning_metrics_of_crafted_answers(policy, monkeypatch):
     assert m["truncated_share"] == pytest.approx(0.25)
     assert m["backtracking/share"] == pytest.approx(0.5) and m["backtracking/accuracy_reflective"] == pytest.approx(0.5)
     assert m["reflection/share"] == pytest.approx(0.25)  # "wait" is on MAYE's list too; "actually" is not
+
+
+@pytest.mark.parametrize("on_benchmark", [False, True])
+def test_eval_loads_the_model_with_the_recipes_autocast(tiny_model_dir, tmp_path, monkeypatch, on_benchmark):
+    """`vlmrl eval` (and `--benchmark`) load the model as training and serving do: with `model.autocast` (it was
+    dropped, so a recipe's autocast=false still evaluated under bf16 autocast on CUDA)."""
+    import vlmrl.models
+    from vlmrl.cli import main
+
+    seen = []
+
+    def refuse(*args, **kwargs):
+        seen.append(args[5] if len(args) > 5 else kwargs.get("autocast"))
+        raise SystemExit(0)  # enough: the arguments are what this test reads
+
+    monkeypatch.setattr(vlmrl.models, "load_policy", refuse)
+    from tests import hub_fixtures
+
+    bench = ["--benchmark", "mathvista", "--data", str(hub_fixtures.BUILDERS["mathvista"](tmp_path))]
+    args = ["eval", str(tiny_model_dir), "model.autocast=false"] + (bench if on_benchmark else [])
+    with pytest.raises(SystemExit):
+        main(args)
+    assert seen == [False]

@@ -94,7 +94,8 @@ def cmd_eval(args) -> int:
     samples, report = build_dataset(spec, args.split, cfg.data.seed)
     if report is not None and report.skipped:
         print(f"{report.path}: skipped {report.skipped} bad rows", file=sys.stderr)
-    policy = load_policy(ckpt, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels)
+    policy = load_policy(ckpt, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels,
+                         cfg.model.autocast)
     rewards = reward_specs(cfg)
     solved = Solved.from_config(cfg)  # what training counted as right
     results, full, evaluations = {}, {}, []

@@ -38,7 +38,8 @@ def eval_benchmark(args: Any, cfg: Any, model: Any) -> int:
     print(f"{benchmark.name}: {len(samples)} samples from {report.path}; protocol: {benchmark.source}")
     if benchmark.notes:
         print(f"vlmrl differs from it: {benchmark.notes} (docs/benchmarks.md)")
-    policy = load_policy(model, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels)
+    policy = load_policy(model, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels,
+                         cfg.model.autocast)
     agent = AgentSpec.from_config(cfg.agent, policy.processor)  # a zoom-in agent is evaluated with its tools
     budget = args.max_new_tokens or benchmark.max_new_tokens
     progress = BarProgress()
