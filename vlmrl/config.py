@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import field
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from annotated_types import Ge, Gt, Lt
 
@@ -417,6 +417,38 @@ def _context(c: Config) -> str | None:
     return None
 
 
+# (low, high) each method uses when algorithm.correction_low / correction_high are unset (None: no bound that side)
+DEFAULT_BOUNDS: dict[str, tuple[float | None, float | None]] = {
+    "token_tis": (None, 2.0), "sequence_tis": (None, 2.0), "mis": (None, 3.0), "icepop": (0.5, 5.0),
+    "geometric": (0.999, 1.001)}
+
+
+class Correction(NamedTuple):
+    """The off-policy correction a run applies (vlmrl/algorithms/correction.py) and its bounds."""
+
+    method: str
+    low: float | None
+    high: float | None
+
+
+def resolve_correction(algorithm, rollout) -> Correction:
+    """The correction a run applies: `algorithm.rollout_correction` with its bounds, `auto` resolved (see
+    vlmrl/algorithms/correction.py's docstring), and `none` under the behaviour denominator or with top-k/top-p (the
+    config refuses an explicit choice there). Here, below the algorithms, so that a recipe's rule checks the bounds
+    the run will use."""
+    method = algorithm.rollout_correction
+    filtered = rollout.top_k > 0 or rollout.top_p < 1.0
+    if method == "auto":
+        off = rollout.engine == "vllm" or (rollout.asynchronous and rollout.max_staleness > 0)
+        method = "token_tis" if off and not filtered and algorithm.ratio_denominator == "proximal" else "none"
+    if method == "none":
+        return Correction("none", None, None)
+    low, high = DEFAULT_BOUNDS[method]
+    low = algorithm.correction_low if algorithm.correction_low is not None else low
+    high = algorithm.correction_high if algorithm.correction_high is not None else high
+    return Correction(method, low, high)
+
+
 def _correction(algorithm, rollout) -> str | None:
     """What is wrong with the recipe's off-policy settings (a config rule), or None."""
     method, denominator = algorithm.rollout_correction, algorithm.ratio_denominator
@@ -430,8 +462,6 @@ def _correction(algorithm, rollout) -> str | None:
         return (f"algorithm.{what} with rollout.top_k={rollout.top_k}, top_p={rollout.top_p}: the sampler draws "
                 f"from the filtered distribution but the trainer scores the unfiltered one, so their log-probs are "
                 f"not of the same distribution; set rollout.top_k=0 and rollout.top_p=1, or turn the correction off")
-    from vlmrl.algorithms.correction import resolve_correction
-
     low = algorithm.correction_low
     if method in ("auto", "token_tis", "sequence_tis", "mis") and low is not None:
         what = f"rollout_correction={method}" + (" (token TIS where it applies)" if method == "auto" else "")

@@ -38,42 +38,14 @@ with a filter on (a config rule, `vlmrl.config`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
+from vlmrl.config import DEFAULT_BOUNDS, Correction, resolve_correction  # noqa: F401  (re-exported: a recipe's choice)
 from vlmrl.errors import ConfigError
 
 CORRECTIONS = ("none", "token_tis", "sequence_tis", "mis", "icepop", "geometric")
-# (low, high) each method uses when algorithm.correction_low / correction_high are unset (None: no bound that side)
-DEFAULT_BOUNDS: dict[str, tuple[float | None, float | None]] = {
-    "token_tis": (None, 2.0), "sequence_tis": (None, 2.0), "mis": (None, 3.0), "icepop": (0.5, 5.0),
-    "geometric": (0.999, 1.001)}
 LOG_RATIO_CLAMP = 20.0  # as in losses.importance_ratio: exp of a wild log-ratio must not overflow
-
-
-class Correction(NamedTuple):
-    method: str
-    low: float | None
-    high: float | None
-
-
-def resolve_correction(algorithm, rollout) -> Correction:
-    """The correction a run applies: `algorithm.rollout_correction` with its bounds, `auto` resolved (see the module
-    docstring), and `none` under the behaviour denominator or with top-k/top-p (the config refuses an explicit
-    choice there)."""
-    method = algorithm.rollout_correction
-    filtered = rollout.top_k > 0 or rollout.top_p < 1.0
-    if method == "auto":
-        off = rollout.engine == "vllm" or (rollout.asynchronous and rollout.max_staleness > 0)
-        method = "token_tis" if off and not filtered and algorithm.ratio_denominator == "proximal" else "none"
-    if method == "none":
-        return Correction("none", None, None)
-    low, high = DEFAULT_BOUNDS[method]
-    low = algorithm.correction_low if algorithm.correction_low is not None else low
-    high = algorithm.correction_high if algorithm.correction_high is not None else high
-    return Correction(method, low, high)
 
 
 def log_ratios(proximal: Tensor, behaviour: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
