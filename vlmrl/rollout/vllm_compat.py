@@ -31,6 +31,10 @@ what was checked where is in docs/scaling.md.
   ("CPU Generator does not use offset"), which it does whenever a prefill is split over two engine steps (chunked
   prefill, as soon as a call's prompts pass `max_num_batched_tokens`). Every vlmrl request is seeded, so on a CPU the
   engine starts with chunked prefill off (`backend_options`): prompts wait for a step instead of being split.
+- **Threads on the CPU backend.** vLLM's CPU worker binds the process to its threads (one on a 2-core machine) and
+  replaces `torch.set_num_threads` with a stub that only warns, for the whole process: `trainer.threads` has no
+  effect once the engine has started, and every later call logs a warning (23,730 lines in one 150-step agentic run).
+  `quiet_backend_logs` drops that one warning; the engine's other messages stay.
 """
 
 from __future__ import annotations
@@ -46,6 +50,21 @@ def backend_options(device: str) -> dict:
     CPU (module docstring)."""
     options = {"mm_processor_kwargs": {"use_fast": False}}  # the trainer's image processor (module docstring)
     return {**options, "enable_chunked_prefill": False} if device == "cpu" else options
+
+
+def quiet_backend_logs(device: str) -> None:
+    """On a CPU, drop vLLM's warning that `torch.set_num_threads` is skipped (module docstring), once per process."""
+    import logging
+
+    if device != "cpu":
+        return
+    log = logging.getLogger("vllm.v1.worker.cpu_worker")
+    if not any(getattr(f, "vlmrl", False) for f in log.filters):
+        def drop(record: logging.LogRecord) -> bool:
+            return "torch.set_num_threads" not in record.getMessage()
+
+        drop.vlmrl = True
+        log.addFilter(drop)
 
 
 def engine_prompt_ids(ids: Sequence[int], image_token: int | None, image_tokens: Sequence[int]) -> list[int]:

@@ -79,7 +79,14 @@ from vlmrl.errors import ConfigError
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
 from vlmrl.rollout.generate import Rollout
-from vlmrl.rollout.vllm_compat import backend_options, check_prompt_ids, engine_prompt_ids, load_weights, reset_caches
+from vlmrl.rollout.vllm_compat import (
+    backend_options,
+    check_prompt_ids,
+    engine_prompt_ids,
+    load_weights,
+    quiet_backend_logs,
+    reset_caches,
+)
 from vlmrl.rollout.vllm_requests import EngineRequest, batch_requests, to_rollout
 from vlmrl.rollout.vllm_weights import _hf_name, weights_to_push
 
@@ -184,6 +191,7 @@ class VLLMEngine:
         self.device = device or (f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
         if self.options["sleep"] is None:
             self.options["sleep"] = self.device != "cpu"
+        quiet_backend_logs(self.device)
         # every engine call on one thread of its own, waited on with a deadline (module docstring)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="vllm-engine")
         o = self.options
