@@ -149,7 +149,7 @@ def reset_caches(llm) -> list[str]:
     if reset is None:
         raise RuntimeError("rollout.engine=vllm: this vLLM has no reset_encoder_cache() on LLM or LLM.llm_engine, so "
                            "after a weight push a repeated image would keep features of the old weights (or miss "
-                           "its cache entry); use vLLM 0.11 or later")
+                           "its cache entry); use vLLM 0.32 or later")
     reset()
     done = ["prefix", "encoder"]
     if hasattr(llm, "reset_mm_cache"):
