@@ -55,6 +55,14 @@ class Links:
     trainers: int  # training ranks (global ranks 0..trainers-1)
 
 
+# How long a rollout rank waits for the training ranks' next message (the control group's timeout). The training side
+# may legitimately be silent for as long as an SFT warm-start, an evaluation or a checkpoint takes (hours), so the
+# wait is not torch's default 30 minutes, after which the rollout rank died and torchrun ended the run before its final
+# checkpoint. A training rank that dies still ends the job at once (torchrun stops every process when one exits with
+# an error); the training side's own waits on the rollout ranks keep `rollout.producer_timeout`, naming the rank.
+ROLLOUT_RANK_IDLE = datetime.timedelta(days=7)
+
+
 def split_ranks(mode: str, device: str, rollout_ranks: int) -> DistInfo:
     """`init_distributed` for a split run: join torchrun's group and make the groups (every rank makes every group, in
     one order); the training ranks' `DistInfo` counts training ranks only, a rollout rank's the rollout ranks."""
@@ -69,8 +77,8 @@ def split_ranks(mode: str, device: str, rollout_ranks: int) -> DistInfo:
     rank, trainers = dist.get_rank(), world - rollout_ranks
     train_group = dist.new_group(list(range(trainers)))
     rollout_group = dist.new_group(list(range(trainers, world)))
-    links = Links(dist.new_group(backend="gloo"), dist.new_group([0, *range(trainers, world)]),
-                  list(range(trainers, world)), trainers)
+    control = dist.new_group(backend="gloo", timeout=ROLLOUT_RANK_IDLE)
+    links = Links(control, dist.new_group([0, *range(trainers, world)]), list(range(trainers, world)), trainers)
     if rank < trainers:
         return DistInfo(mode, rank, trainers, local_rank, device, group=train_group, links=links)
     return DistInfo("none", rank - trainers, rollout_ranks, local_rank, device, group=rollout_group, links=links,
