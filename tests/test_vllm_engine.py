@@ -367,3 +367,21 @@ def test_an_engine_call_that_does_not_return_stops_at_its_deadline(policy, count
         engine.generate(policy, prompts, count_samples[:1], 2, 4, 1.0, 0, 1.0, [1])
     assert time.perf_counter() - t0 < 5
     release.set()
+
+
+def test_each_images_placeholder_run_goes_to_vllm_as_one_placeholder():
+    """vLLM expands each image's placeholder itself (it expanded the trainer's already-expanded run again)."""
+    from vlmrl.rollout.vllm_compat import check_prompt_ids, engine_prompt_ids
+
+    p = 9  # the placeholder id; two images of 3 and 2 features, then text
+    ids = [1, 5, p, p, p, 6, 5, p, p, 6, 7]
+    assert engine_prompt_ids(ids, p, [3, 2]) == [1, 5, p, 6, 5, p, 6, 7]
+    assert engine_prompt_ids([1, 2], p, []) == [1, 2]
+    with pytest.raises(ValueError, match="image 1's placeholder run is not 3"):
+        engine_prompt_ids(ids, p, [3, 3])
+    with pytest.raises(ValueError, match="1 placeholder run"):
+        engine_prompt_ids(ids[:6], p, [3, 2])
+    check_prompt_ids(ids, ids, "s")
+    with pytest.raises(RuntimeError, match="a prompt of 13 tokens where the trainer's has 11 .first difference at "
+                                           "token 5"):
+        check_prompt_ids(ids, [1, 5, p, p, p, p, p, 6, 5, p, p, 6, 7], "s")

@@ -75,7 +75,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from vlmrl.errors import ConfigError
+from vlmrl.errors import ConfigError, DataError
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
 from vlmrl.rollout.generate import Rollout
@@ -290,7 +290,11 @@ class VLLMEngine:
         image_token = policy.processor.image_token_id
         prompts = []
         for q in requests:
-            prompt: dict[str, Any] = {"prompt_token_ids": engine_prompt_ids(q.ids, image_token, q.image_tokens)}
+            try:
+                ids = engine_prompt_ids(q.ids, image_token, q.image_tokens)
+            except ValueError as exc:
+                raise DataError(f"sample {q.sample_id!r}, turn {q.turn}: {exc}") from None
+            prompt: dict[str, Any] = {"prompt_token_ids": ids}
             if q.images:
                 prompt["multi_modal_data"] = {"image": list(q.images) if len(q.images) > 1 else q.images[0]}
                 if budget:
