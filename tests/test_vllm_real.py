@@ -9,9 +9,9 @@ an agent turn without one ends the episode). Everything runs in float32, where t
 must agree to rounding: the sampler/trainer gap is held below 1e-4 per token.
 
 Each check was seen failing with its defect planted back (docs/scaling.md, "vLLM on a CPU"): the trainer's expanded
-placeholders sent as they are (gap 2.39, a prompt 15 tokens longer), the tied head not re-packed after a push (gap
-19 after the push), no engine-level encoder-cache reset (the repeated image's generation never returns: the
-deadline stops it).
+placeholders sent as they are (vLLM ran a prompt of 49 tokens for the trainer's 34), the tied head not re-packed
+after a push (gap 1.74), no engine-level encoder-cache reset ("Encoder cache miss" on the repeated image), a push of
+the trainable weights only under LoRA on q and v (gap 9.4), vLLM's default image processor (6.2e-5 > 1e-5).
 """
 
 from __future__ import annotations
