@@ -50,10 +50,13 @@ def user(sample: dict, text: str | None = None) -> list[dict]:
 
 @contextlib.contextmanager
 def running(app):
-    """uvicorn on 127.0.0.1, a free port, in a background thread; yields the base URL."""
+    """uvicorn as `vlmrl serve` runs it (the guarded protocol, the app's limits) on 127.0.0.1, a free port, in a
+    background thread; yields the base URL."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on"))
+    from vlmrl.serve.connections import server_config
+
+    server = uvicorn.Server(server_config(app, "127.0.0.1", 0, app.state.limits, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -290,8 +293,9 @@ def test_a_client_gone_mid_stream_does_not_break_the_batch(run_dir, samples):
         with httpx.Client(trust_env=False, timeout=60) as raw:
             with raw.stream("POST", f"{url}/v1/chat/completions", json=body,
                             headers={"Authorization": f"Bearer {KEY}"}) as stream:
-                lines = stream.iter_lines()
-                assert next(lines).startswith("data: ")
+                lines = (line for line in stream.iter_lines() if line)
+                assert '"role": "assistant"' in next(lines)  # sent at once, before any token
+                assert '"content": "' in next(lines)  # the first token's text: generating
             # the connection is closed here, mid-answer
         thread.join()
         assert got["r"].choices[0].message.content == alone
@@ -417,7 +421,7 @@ def test_serve_command_line(run_dir, monkeypatch, capsys):
     assert (limits.max_batch, limits.max_batch_tokens, limits.batch_wait_ms, limits.max_body_bytes) == \
         (4, 900, 2.0, 2**20) and limits.allow_remote_images
     assert (limits.max_queue, limits.max_queue_bytes, limits.allow_private_image_hosts, limits.image_fetch_timeout) \
-        == (64, 2**30, False, 10.0)  # the defaults
+        == (64, 512 * 2**20, False, 10.0)  # the defaults
     limits = _limits(build_parser().parse_args(["serve", str(run_dir), "--max-queue", "3", "--max-queue-mb", "1.5",
                                                 "--allow-remote-images", "--allow-private-image-hosts",
                                                 "--image-fetch-timeout", "2"]))

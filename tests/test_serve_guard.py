@@ -18,18 +18,18 @@ from PIL import Image
 from pydantic import BaseModel
 
 from vlmrl.errors import ConfigError
-from vlmrl.serve import guard
+from vlmrl.serve import images as guard
+from vlmrl.serve.gate import MemoryBudget, RequestGate
 from vlmrl.serve.guard import (
-    BodyLimit,
     RequestError,
     ServeLimits,
     api_key_dependency,
     check_bind,
     check_limit,
-    decode_image,
     install_errors,
     read_api_key,
 )
+from vlmrl.serve.images import decode_image
 
 
 def png(size=(20, 10), mode="RGB") -> bytes:
@@ -120,11 +120,12 @@ def image_host():
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
-            if self.path == "/ok.png":
+            if self.path in ("/ok.png", "/text.png"):
+                data = body if self.path == "/ok.png" else b"not an image"
                 self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(data)
             else:
                 self.send_error(404)
 
@@ -139,16 +140,36 @@ def image_host():
 
 def test_remote_images_only_when_allowed(image_host):
     assert "remote image URLs are off" in refused(f"{image_host}/ok.png")
-    assert "not a public address" in refused(f"{image_host}/ok.png", ServeLimits(allow_remote_images=True))
     allowed = ServeLimits(allow_remote_images=True, allow_private_image_hosts=True)  # the test host is loopback
     assert decode_image(f"{image_host}/ok.png", allowed).size == (20, 10)
-    message = refused(f"{image_host}/missing.png", allowed)
-    assert "could not fetch the image" in message and "404" not in message  # nothing about what the host answered
-    assert "over the server's limit of 50 bytes" in refused(f"{image_host}/ok.png", ServeLimits(
-        allow_remote_images=True, allow_private_image_hosts=True, max_body_bytes=50), 413)
 
 
-REMOTE = ServeLimits(allow_remote_images=True)
+def test_every_remote_failure_gets_one_answer_at_the_deadline(image_host):
+    """Whatever the target does (a private address, a 404, no listener, too many bytes, not an image, a drip), the
+    client gets the same 400 text at the same time, the fetch deadline: nothing tells what is there."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    port = closed.getsockname()[1]
+    closed.close()  # nothing listens on it: connection refused
+    loopback = dict(allow_remote_images=True, allow_private_image_hosts=True, image_fetch_timeout=0.6)
+    cases = {"private": (f"{image_host}/ok.png", ServeLimits(allow_remote_images=True, image_fetch_timeout=0.6)),
+             "404": (f"{image_host}/missing.png", ServeLimits(**loopback)),
+             "refused": (f"http://127.0.0.1:{port}/x.png", ServeLimits(**loopback)),
+             "too big": (f"{image_host}/ok.png", ServeLimits(**loopback, max_body_bytes=50)),
+             "not an image": (f"{image_host}/text.png", ServeLimits(**loopback))}
+    answers = {}
+    for kind, (url, limits) in cases.items():
+        started = time.monotonic()
+        with pytest.raises(RequestError) as err:
+            decode_image(url, limits, "image_url")
+        answers[kind] = (err.value.status, err.value.message.replace("of at most 50 bytes", "of at most 20971520 "
+                                                                     "bytes"), time.monotonic() - started)
+    assert {(status, text) for status, text, _ in answers.values()} == {(400, answers["404"][1])}, answers
+    assert "could not fetch the image" in answers["404"][1] and "404" not in answers["404"][1]
+    assert all(0.55 < took < 1.0 for _, _, took in answers.values()), answers
+
+
+REMOTE = ServeLimits(allow_remote_images=True, image_fetch_timeout=0.05)
 
 
 @pytest.mark.parametrize("addresses", [["127.0.0.1"], ["10.1.2.3"], ["169.254.169.254"], ["192.168.1.1"],
@@ -166,7 +187,7 @@ def test_a_remote_image_on_a_private_address_is_refused_without_contacting_it(mo
     monkeypatch.setattr(socket, "create_connection", never)
     for url in ("http://images.example/cat.png", "https://images.example:8443/cat.png?x=1"):
         message = refused(url, REMOTE)
-        assert "not a public address" in message and not any(a in message for a in addresses)
+        assert "could not fetch the image" in message and not any(a in message for a in addresses)
     assert asked == [("images.example", 80), ("images.example", 8443)]
 
 
@@ -244,7 +265,7 @@ class Echo(BaseModel):
 def app_with(key: str | None = None, max_bytes: int = 1000) -> TestClient:
     app = FastAPI()
     install_errors(app)
-    app.add_middleware(BodyLimit, max_bytes=max_bytes)
+    app.add_middleware(RequestGate, budget=MemoryBudget(2**30), max_bytes=max_bytes, body_timeout=60.0)
 
     @app.post("/v1/echo", dependencies=[Depends(api_key_dependency(key))])
     async def echo(body: Echo):

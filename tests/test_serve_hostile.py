@@ -213,11 +213,18 @@ def wait_for(condition, what: str, seconds: float = 30) -> None:
 
 @pytest.mark.parametrize("bound", ["requests", "bytes"])
 def test_a_full_queue_is_503_with_retry_after_and_loses_nothing(run_dir, samples, bound):
+    """`requests`: two wait, a third is refused. `bytes`: the server holds room for three such requests (one
+    generating, two waiting: what a request holds is its body, its images and its processed inputs, measured
+    here on the same request alone), and a fourth is refused."""
     model = load_chat_model(run_dir, model_name="run")
-    one = prompt_bytes(build_prompt(model.policy.processor, ChatRequest(model="m", messages=user(samples[1])),
-                                    ServeLimits(), TEMPLATE, "r", model.max_prompt_length))
+    alone = chat_app(model, ServeLimits(batch_wait_ms=0), api_key=KEY)
+    with running(alone) as url:
+        assert post(url, samples[1]).status_code == 200
+        one = httpx.get(f"{url}/healthz", trust_env=False).json()["held_peak_bytes"]
+    assert one > prompt_bytes(build_prompt(model.policy.processor, ChatRequest(model="m", messages=user(samples[1])),
+                                           ServeLimits(), TEMPLATE, "r", model.max_prompt_length))
     limits = ServeLimits(batch_wait_ms=0, max_queue=2) if bound == "requests" else \
-        ServeLimits(batch_wait_ms=0, max_queue_bytes=int(2.5 * one))
+        ServeLimits(batch_wait_ms=0, max_queue_bytes=int(3.5 * one))
     gate, entered = gated(model)
     app = chat_app(model, limits, api_key=KEY)
     batcher, results = app.state.batcher, {}
@@ -239,7 +246,8 @@ def test_a_full_queue_is_503_with_retry_after_and_loses_nothing(run_dir, samples
         assert refused.headers["Retry-After"].isdigit() and int(refused.headers["Retry-After"]) >= 1
         assert refused.json()["error"]["type"] == "service_unavailable" and "--max-queue" in \
             refused.json()["error"]["message"]
-        assert len(batcher.waiting) == 2 and batcher.refused_busy == 1  # the queued ones are untouched
+        assert len(batcher.waiting) == 2  # the queued ones are untouched
+        assert batcher.refused_busy + app.state.budget.refused == 1
         gate.set()
         for t in threads:
             t.join(60)
@@ -247,7 +255,7 @@ def test_a_full_queue_is_503_with_retry_after_and_loses_nothing(run_dir, samples
         assert all(results[i].json()["choices"][0]["finish_reason"] for i in range(3))
         assert post(url, samples[1]).status_code == 200  # room again
         if bound == "bytes":  # a request whose inputs alone pass the bound can never queue: a 400, not a 503
-            small = chat_app(model, ServeLimits(batch_wait_ms=0, max_queue_bytes=one // 2), api_key=KEY)
+            small = chat_app(model, ServeLimits(batch_wait_ms=0, max_queue_bytes=one - 1), api_key=KEY)
             with running(small) as url2:
                 r = post(url2, samples[1])
                 assert r.status_code == 400 and "--max-queue-mb" in r.json()["error"]["message"]
@@ -310,3 +318,39 @@ def test_an_agentic_checkpoint_is_served_with_its_training_prompt(tmp_path, tiny
     assert torch.equal(ours.input_ids, trained.input_ids) and torch.equal(ours.pixel_values, trained.pixel_values)
     assert load_policy(tmp_path / "run" / "checkpoint-1").processor.system_prompt == system  # from_pretrained too
     assert load_policy(tiny_model_dir).processor.system_prompt is None  # a folder without one stays without
+
+
+def test_a_stream_sends_its_first_byte_before_the_model_is_free(run_dir, samples):
+    """A streamed request behind a busy model gets its response and first chunk (the assistant role) at once, and
+    its answer when the model frees; before, nothing was sent until its first token."""
+    model = load_chat_model(run_dir, model_name="run")
+    gate, entered = gated(model)
+    app = chat_app(model, ServeLimits(batch_wait_ms=0), api_key=KEY)
+    with running(app) as url, contextlib.ExitStack() as opened:
+        opened.callback(gate.set)
+        busy = threading.Thread(target=post, args=(url, samples[0]))
+        busy.start()
+        assert entered.wait(30)  # the model is held
+        body = {"model": "run", "messages": user(samples[1]), "stream": True, "temperature": 0, "max_tokens": 2}
+        with httpx.Client(trust_env=False, timeout=10) as raw, raw.stream(
+                "POST", f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+            lines = (line for line in r.iter_lines() if line)
+            started = time.monotonic()
+            assert r.status_code == 200 and '"role": "assistant"' in next(lines)
+            assert time.monotonic() - started < 5 and not gate.is_set()  # the model is still held
+            gate.set()
+            rest = list(lines)
+        busy.join(30)
+        assert rest[-1] == "data: [DONE]" and any('"finish_reason": "' in line for line in rest)
+
+
+def test_an_error_never_echoes_much_of_the_input(model):
+    bodies = ({"model": "run", "messages": [{"role": "x" * 100_000, "content": "hi"}]},
+              {"model": "run", "messages": [{"role": "user", "content": "hi", "y" * 100_000: 1}]},
+              {"model": "run", "messages": [{"role": "user", "content": [{"type": "z" * 100_000}]}]},
+              {"model": "m" * 100_000, "messages": [{"role": "user", "content": "hi"}]})
+    with running(chat_app(model, ServeLimits(), api_key=KEY)) as url:
+        for body in bodies:
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                           trust_env=False, timeout=30)
+            assert r.status_code in (400, 404) and len(r.text) < 2000, (r.status_code, len(r.text), r.text[:300])

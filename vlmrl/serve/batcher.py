@@ -16,9 +16,9 @@ text is sent only as far as the decodes of its last few tokens agree (`stable_wi
 final decode of all its tokens: the non-streamed reply is that text, and a stream ends by sending what it adds. A job
 whose client went away or timed out is cancelled: its rows end at the next token, the batch goes on for the others.
 
-The queue is bounded (`ServeLimits.max_queue` requests, `max_queue_bytes` of processed inputs, which is what a
-waiting request holds: its images' tensors): past either bound `submit` refuses with 503 and Retry-After, and
-nothing already queued is touched.
+The queue is bounded at `ServeLimits.max_queue` requests: past it `submit` refuses with 503 and Retry-After, and
+nothing already queued is touched. What the requests hold in bytes (bodies, images, processed inputs) is bounded by
+the server's memory budget (vlmrl.serve.gate), which the handler pays from before it submits.
 """
 
 from __future__ import annotations
@@ -84,10 +84,6 @@ class Job:
     def prompt_tokens(self) -> int:
         return int(self.prompt.attention_mask.sum())
 
-    @property
-    def bytes(self) -> int:
-        return prompt_bytes(self.prompt)
-
     def cancel(self) -> None:
         """Stop generating for this job (its rows end at the next token); safe to call when it finished."""
         self.cancelled = True
@@ -121,30 +117,20 @@ class Batcher:
     def waiting(self) -> list[Job]:
         return [j for j in self.pending if not j.cancelled]
 
-    def queued_bytes(self) -> int:
-        return sum(j.bytes for j in self.waiting)
-
-    def check_room(self, size: int = 0) -> None:
-        """503 with Retry-After when `max_queue` requests wait, or when `size` more bytes of inputs would pass
-        `max_queue_bytes`. The handler asks before it decodes a request's images (by count) and `submit` again
-        with the processed prompt's size."""
-        waiting, queued = len(self.waiting), self.queued_bytes()
-        if waiting < self.limits.max_queue and queued + size <= self.limits.max_queue_bytes:
+    def check_room(self) -> None:
+        """503 with Retry-After when `max_queue` requests wait. The handler asks before it decodes a request's
+        images, and `submit` again."""
+        waiting = len(self.waiting)
+        if waiting < self.limits.max_queue:
             return
         self.refused_busy += 1
         retry = max(1, math.ceil(self.last_call_seconds))
-        raise RequestError(503, f"the server is busy: {waiting} requests wait with {queued / 2**20:.1f} MiB of "
-                                f"inputs (limits: --max-queue {self.limits.max_queue}, --max-queue-mb "
-                                f"{self.limits.max_queue_bytes / 2**20:g}); retry after {retry} s",
-                           code="server_busy", retry_after=retry)
+        raise RequestError(503, f"the server is busy: {waiting} requests wait (--max-queue {self.limits.max_queue}); "
+                                f"retry after {retry} s", code="server_busy", retry_after=retry)
 
     def submit(self, job: Job) -> None:
-        """Queue `job`. A job that could never fit one generate call, or whose inputs alone pass the queue's byte
-        bound, is a 400 naming the limit; a full queue is a 503 with Retry-After (`check_room`)."""
-        if job.bytes > self.limits.max_queue_bytes:
-            raise RequestError(400, f"this request's processed inputs take {job.bytes / 2**20:.1f} MiB, over the "
-                                    f"server's queue limit of {self.limits.max_queue_bytes / 2**20:g} MiB "
-                                    "(--max-queue-mb); send fewer or smaller images", "messages")
+        """Queue `job`. A job that could never fit one generate call is a 400 naming the limit; a full queue is a
+        503 with Retry-After (`check_room`)."""
         if job.rows > self.limits.max_batch:
             raise RequestError(400, f"n={job.n}: more answers than the server generates in one call "
                                     f"(max_batch={self.limits.max_batch})", "n")
@@ -152,7 +138,7 @@ class Batcher:
             raise RequestError(400, f"n x (prompt tokens + max_tokens) = {job.rows} x ({job.prompt_tokens} + "
                                     f"{job.max_tokens}) is over the server's limit of {self.limits.max_batch_tokens} "
                                     "tokens per generation call; lower max_tokens or n", "max_tokens")
-        self.check_room(job.bytes)
+        self.check_room()
         self.pending.append(job)
         self._arrived.set()
 

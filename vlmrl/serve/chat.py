@@ -31,13 +31,14 @@ except ImportError as exc:  # pragma: no cover - the serve extra is missing
 import vlmrl
 from vlmrl.errors import ConfigError
 from vlmrl.models.policy import Policy
-from vlmrl.serve.batcher import Batcher, Job
+from vlmrl.serve.batcher import Batcher, Job, prompt_bytes
+from vlmrl.serve.gate import MemoryBudget, RequestGate, give_back_memory
 from vlmrl.serve.guard import (
-    BodyLimit,
     RequestError,
     ServeLimits,
     api_key_dependency,
     check_limit,
+    clip,
     error_body,
     install_errors,
 )
@@ -94,26 +95,29 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
     """The app around an already loaded model (tests and benchmarks build several around one)."""
     limits = limits or ServeLimits()
     batcher = Batcher(model.policy, limits)
+    budget = MemoryBudget(limits.max_queue_bytes)
+    fit_pixels = model.policy.processor.fit_pixels()
 
     @asynccontextmanager
     async def lifespan(app):
+        give_back_memory()
         await batcher.start()
         yield
         await batcher.stop()
 
     app = FastAPI(title="vlmrl chat", version=vlmrl.__version__, lifespan=lifespan,
                   description=f"OpenAI-compatible chat completions for {model.name} ({model.source})")
-    app.state.batcher, app.state.model, app.state.limits = batcher, model, limits
+    app.state.batcher, app.state.model, app.state.limits, app.state.budget = batcher, model, limits, budget
     install_errors(app)
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(RequestGate, budget=budget, max_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout)
     auth = [Depends(api_key_dependency(api_key))]
     created = int(time.time())
     card = {"id": model.name, "object": "model", "created": created, "owned_by": "vlmrl"}
 
     @app.get("/healthz")
     async def healthz() -> dict:
-        return {"status": "ok", "model": model.name, "waiting": len(batcher.waiting),
-                "waiting_bytes": batcher.queued_bytes(), "refused_busy": batcher.refused_busy,
+        return {"status": "ok", "model": model.name, "waiting": len(batcher.waiting), "held_bytes": budget.used,
+                "held_peak_bytes": budget.peak, "refused_busy": batcher.refused_busy + budget.refused,
                 "generate_calls": batcher.calls, "answers_cancelled": batcher.cancelled_answers}
 
     @app.get("/v1/models", dependencies=auth)
@@ -137,8 +141,12 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
         stop = body.stops()
         request_id = f"chatcmpl-{secrets.token_hex(12)}"
         batcher.check_room()  # a full queue refuses before the images are decoded and processed
+        ledger = request.state.ledger
+        images_from = ledger.held
         prompt = await run_in_threadpool(build_prompt, model.policy.processor, body, limits, model.prompt_template,
-                                         request_id, model.max_prompt_length)
+                                         request_id, model.max_prompt_length, ledger, fit_pixels)
+        ledger.give(ledger.held - images_from)  # the decoded images are gone; the processed inputs stay until the end
+        ledger.take(prompt_bytes(prompt), "messages")
         temperature = 1.0 if body.temperature is None else body.temperature
         job = Job(prompt, body.n, max_tokens, temperature, 1.0 if body.top_p is None else body.top_p,
                   secrets.randbits(63) if body.seed is None else body.seed, stop)
@@ -158,7 +166,8 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
 
 def _check_model(model_id: str, name: str) -> None:
     if model_id != name:
-        raise RequestError(404, f"model {model_id!r} not found: this server serves {name!r} (GET /v1/models)",
+        raise RequestError(404, f"model {clip(repr(model_id), 80)} not found: this server serves {name!r} (GET "
+                                "/v1/models)",
                            "model", "model_not_found")
 
 
@@ -209,10 +218,10 @@ async def _complete(job: Job, head: dict, timeout: float) -> dict:
 
 
 async def _stream(job: Job, head: dict, timeout: float, include_usage: bool):
-    """Server-sent events as answers grow. The response starts with the job's first event (a 504 is still possible
-    until then); a time-out later ends the stream with an error event; a client gone cancels the job's rows."""
+    """Server-sent events as answers grow. The response and its first chunk (the assistant role) go out at once,
+    before the job is generated, so a client waiting behind a busy server sees it was accepted; a failure or a
+    time-out later ends the stream with an error event; a client gone cancels the job's rows."""
     deadline = job.created + timeout
-    first = await _next(job, deadline, timeout)
 
     def chunk(choices: list[dict], **extra) -> str:
         return f"data: {json.dumps({**head, 'object': 'chat.completion.chunk', 'choices': choices, **extra})}\n\n"
@@ -220,8 +229,13 @@ async def _stream(job: Job, head: dict, timeout: float, include_usage: bool):
     async def events():
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(job.n)])
-        ended, tokens, event = set(), {}, first
+        ended, tokens = set(), {}
         while True:
+            try:
+                event = await _next(job, deadline, timeout)
+            except RequestError as exc:
+                yield f"data: {json.dumps(error_body(exc.status, exc.message))}\n\n"
+                return
             if event[0] == "delta":
                 yield chunk([{"index": event[1], "delta": {"content": event[2]}, "logprobs": None,
                               "finish_reason": None}])
@@ -231,11 +245,6 @@ async def _stream(job: Job, head: dict, timeout: float, include_usage: bool):
                 yield chunk([{"index": event[1], "delta": {}, "logprobs": None, "finish_reason": event[2]}])
             if len(ended) == job.n:
                 break
-            try:
-                event = await _next(job, deadline, timeout)
-            except RequestError as exc:
-                yield f"data: {json.dumps(error_body(exc.status, exc.message))}\n\n"
-                return
         if include_usage:
             yield chunk([], usage=_usage(job, tokens))
         yield "data: [DONE]\n\n"

@@ -86,8 +86,10 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait for its result (504)")
     s.add_argument("--max-queue", type=int, default=64,
                    help="chat: requests that may wait for the model; past it a 503 with Retry-After")
-    s.add_argument("--max-queue-mb", type=float, default=1024.0,
-                   help="chat: MiB of processed inputs (image tensors) the waiting requests may hold (503 past it)")
+    s.add_argument("--max-queue-mb", type=float, default=512.0,
+                   help="MiB all requests in the server may hold together: bodies, images being decoded, processed "
+                        "inputs (503 with Retry-After past it; the server's peak is about its size after start-up "
+                        "plus this)")
     s.add_argument("--allow-remote-images", action="store_true",
                    help="let the server fetch http(s) image URLs from public hosts (off: data URLs only)")
     s.add_argument("--allow-private-image-hosts", action="store_true",
@@ -95,6 +97,14 @@ def add_parser(subparsers: Any) -> None:
                         "(your internal network; only for trusted clients)")
     s.add_argument("--image-fetch-timeout", type=float, default=10.0,
                    help="seconds for one remote image, connection to last byte")
+    s.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds a connection may take to send a request's headers (then it is closed)")
+    s.add_argument("--body-timeout", type=float, default=60.0,
+                   help="seconds a request may take to send its body (then a 408)")
+    s.add_argument("--max-connections", type=int, default=1024,
+                   help="open connections; one more gets a 503 and is closed at once")
+    s.add_argument("--shutdown-timeout", type=float, default=5.0,
+                   help="seconds SIGTERM waits for requests in flight before it cancels them")
     s.add_argument("--max-inputs", type=int, default=256, help="embeddings: the most texts and images in one request")
     s.add_argument("--max-top-k", type=int, default=100, help="search: the largest top_k")
     s.set_defaults(func=cmd_serve)
@@ -125,7 +135,8 @@ def _limits(args):
                        max_queue_bytes=int(args.max_queue_mb * 2**20), allow_remote_images=args.allow_remote_images,
                        allow_private_image_hosts=args.allow_private_image_hosts,
                        image_fetch_timeout=args.image_fetch_timeout, max_inputs=args.max_inputs,
-                       max_top_k=args.max_top_k)
+                       max_top_k=args.max_top_k, header_timeout=args.header_timeout, body_timeout=args.body_timeout,
+                       max_connections=args.max_connections, shutdown_timeout=args.shutdown_timeout)
 
 
 def _need_serve_extra() -> None:
@@ -141,9 +152,8 @@ def _need_serve_extra() -> None:
 
 def cmd_serve(args) -> int:
     _need_serve_extra()
-    import uvicorn
-
     from vlmrl.errors import ConfigError
+    from vlmrl.serve.connections import run
     from vlmrl.serve.guard import check_bind, read_api_key
 
     limits = _limits(args)
@@ -168,7 +178,7 @@ def cmd_serve(args) -> int:
                              dtype=args.dtype, prompt_template=args.prompt_template)
     check_bind(args.host, key)
     print(f"serving {args.model} on http://{args.host}:{args.port} (schema: /docs)", file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
+    run(app, args.host, args.port, limits)
     return 0
 
 

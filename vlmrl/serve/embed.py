@@ -37,15 +37,9 @@ except ImportError as exc:  # pragma: no cover - the serve extra is missing
 
 import vlmrl
 from vlmrl.serve.encoder import Encoder
-from vlmrl.serve.guard import (
-    BodyLimit,
-    RequestError,
-    ServeLimits,
-    api_key_dependency,
-    check_limit,
-    decode_image,
-    install_errors,
-)
+from vlmrl.serve.gate import MemoryBudget, RequestGate, give_back_memory
+from vlmrl.serve.guard import RequestError, ServeLimits, api_key_dependency, check_limit, clip, install_errors
+from vlmrl.serve.images import decode_image
 from vlmrl.serve.index import SearchIndex, student_fingerprint
 from vlmrl.serve.page import search_page
 
@@ -148,25 +142,33 @@ def embed_app(model: EmbedModel, index: SearchIndex | None = None, limits: Serve
         index.check_student(model.fingerprint)
     encoder = Encoder(model.student, limits)
     dimension = model.fingerprint["dimension"]
+    budget = MemoryBudget(limits.max_queue_bytes)
+    side = getattr(getattr(model.student, "cfg", None), "image_size", None)  # the embedded student's input side
+    fit_pixels = side * side if isinstance(side, int) else None
+
+    def decode(source, param: str, request: Request):
+        return decode_image(source, limits, param, request.state.ledger, fit_pixels)
 
     @asynccontextmanager
     async def lifespan(app):
+        give_back_memory()
         yield
         await encoder.stop()
 
     app = FastAPI(title="vlmrl embeddings", version=vlmrl.__version__, lifespan=lifespan,
                   description=f"Embeddings{' and search' if index else ''} with {model.name} ({model.source})")
     app.state.encoder, app.state.model, app.state.index, app.state.limits = encoder, model, index, limits
+    app.state.budget = budget
     install_errors(app)
-    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(RequestGate, budget=budget, max_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout)
     auth = [Depends(api_key_dependency(api_key))]
     card = {"id": model.name, "object": "model", "created": 0, "owned_by": "vlmrl"}
     page = search_page(needs_key=api_key is not None)
 
-    async def embed(parsed: list[tuple[str, Any]], fmt: str) -> JSONResponse:
+    async def embed(parsed: list[tuple[str, Any]], fmt: str, request: Request) -> JSONResponse:
         texts = [v for kind, v in parsed if kind == "text"]
         sources = [(i, v) for i, (kind, v) in enumerate(parsed) if kind == "image"]
-        images = await run_in_threadpool(lambda: [decode_image(v, limits, f"input[{i}].image") for i, v in sources])
+        images = await run_in_threadpool(lambda: [decode(v, f"input[{i}].image", request) for i, v in sources])
         text_rows, tokens, truncated = await encoder.texts(texts)
         image_rows = await encoder.images(images)
         rows, t, m = [], iter(text_rows), iter(image_rows)
@@ -197,12 +199,12 @@ def embed_app(model: EmbedModel, index: SearchIndex | None = None, limits: Serve
                            "max_top_k": limits.max_top_k, "max_body_bytes": limits.max_body_bytes}}
 
     @app.post("/v1/embeddings", dependencies=auth)
-    async def embeddings(body: EmbeddingRequest) -> JSONResponse:
+    async def embeddings(body: EmbeddingRequest, request: Request) -> JSONResponse:
         _check_model(body.model, model.name)
         if body.dimensions is not None and body.dimensions != dimension:
             raise RequestError(400, f"dimensions={body.dimensions}: this student embeds in {dimension} dimensions "
                                     "(leave dimensions out)", "dimensions")
-        return await embed(parse_inputs(body.input, limits), body.encoding_format)
+        return await embed(parse_inputs(body.input, limits), body.encoding_format, request)
 
     @app.post("/v1/embeddings/images", dependencies=auth)
     async def embed_uploads(request: Request) -> JSONResponse:
@@ -220,12 +222,12 @@ def embed_app(model: EmbedModel, index: SearchIndex | None = None, limits: Serve
         fmt = fields.get("encoding_format", "float")
         if fmt not in ("float", "base64"):
             raise RequestError(400, f"encoding_format={fmt!r}: expected float or base64", "encoding_format")
-        images = await run_in_threadpool(lambda: [decode_image(data, limits, name) for name, data in uploads])
+        images = await run_in_threadpool(lambda: [decode(data, name, request) for name, data in uploads])
         rows = await encoder.images(images)
         return _embedding_reply(model.name, rows, fmt, 0, 0)
 
     @app.post("/v1/search", dependencies=auth)
-    async def search(body: SearchRequest) -> dict:
+    async def search(body: SearchRequest, request: Request) -> dict:
         searched = _need_index(index)
         check_limit(body.top_k, limits.max_top_k, "top_k")
         if (body.text is None) == (body.image is None):
@@ -233,7 +235,7 @@ def embed_app(model: EmbedModel, index: SearchIndex | None = None, limits: Serve
         if body.text is not None:
             query, kind = (await encoder.texts([body.text]))[0], "text"
         else:
-            image = await run_in_threadpool(decode_image, body.image, limits, "image")
+            image = await run_in_threadpool(decode, body.image, "image", request)
             query, kind = await encoder.images([image]), "image"
         results = await run_in_threadpool(searched.search, query, body.top_k)
         return {"object": "search.results", "model": model.name, "query": kind,
@@ -258,7 +260,8 @@ def embed_app(model: EmbedModel, index: SearchIndex | None = None, limits: Serve
 
 def _check_model(model_id: str, name: str) -> None:
     if model_id != name:
-        raise RequestError(404, f"model {model_id!r} not found: this server serves {name!r} (GET /v1/models)",
+        raise RequestError(404, f"model {clip(repr(model_id), 80)} not found: this server serves {name!r} (GET "
+                                "/v1/models)",
                            "model", "model_not_found")
 
 

@@ -36,7 +36,8 @@ import numpy as np
 
 from vlmrl.errors import ConfigError, DataError, PathError
 from vlmrl.serve.encoder import to_numpy
-from vlmrl.serve.guard import RequestError, ServeLimits, decode_image
+from vlmrl.serve.guard import RequestError, ServeLimits
+from vlmrl.serve.images import decode_image
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".gif", ".bmp", ".tif", ".tiff")
 KINDS = ("flat", "ivf", "hnsw")

@@ -22,7 +22,9 @@ from vlmrl.errors import VlmrlError
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.families import VLProcessor
 from vlmrl.models.families.processor import client_text
-from vlmrl.serve.guard import RequestError, ServeLimits, check_limit, decode_image
+from vlmrl.serve.gate import Ledger
+from vlmrl.serve.guard import RequestError, ServeLimits, check_limit
+from vlmrl.serve.images import decode_image
 
 MAX_MESSAGES = 256  # messages in one request: lists are bounded in the schema, so an oversized one is refused at
 MAX_PARTS = 64  # its length before any item is validated (a body of 300,000 `{}` cost 3.5 GB of validation errors)
@@ -85,8 +87,10 @@ class ChatRequest(_Strict):
         return tuple(stops)
 
 
-def conversation(request: ChatRequest, limits: ServeLimits, template: str) -> tuple[list[dict], list]:
-    """The processor's message list and the decoded images, in order. 400 for a message the model cannot take."""
+def conversation(request: ChatRequest, limits: ServeLimits, template: str, ledger: Ledger | None = None,
+                 fit_pixels: int | None = None) -> tuple[list[dict], list]:
+    """The processor's message list and the decoded images, in order (each paid for from `ledger` before it is
+    decoded, and decoded toward `fit_pixels`: vlmrl.serve.images). 400 for a message the model cannot take."""
     messages = request.messages
     if messages[-1].role != "user":
         raise RequestError(400, f"messages[{len(messages) - 1}]: the last message must be the user's (the server "
@@ -110,7 +114,8 @@ def conversation(request: ChatRequest, limits: ServeLimits, template: str) -> tu
             raise RequestError(400, f"messages[{i}]: images only in user messages, not in a {role} message",
                                f"messages[{i}].content")
         for j, p in own:
-            images.append(decode_image(p.image_url.url, limits, f"messages[{i}].content[{j}].image_url"))
+            images.append(decode_image(p.image_url.url, limits, f"messages[{i}].content[{j}].image_url", ledger,
+                                       fit_pixels))
         text = "\n".join(texts)
         if i == last_user:
             text = template.format(problem=text)
@@ -119,11 +124,12 @@ def conversation(request: ChatRequest, limits: ServeLimits, template: str) -> tu
 
 
 def build_prompt(processor: VLProcessor, request: ChatRequest, limits: ServeLimits, template: str,
-                 request_id: str, max_prompt_length: int | None = None) -> PromptBatch:
+                 request_id: str, max_prompt_length: int | None = None, ledger: Ledger | None = None,
+                 fit_pixels: int | None = None) -> PromptBatch:
     """One request -> one processed prompt row, through `processor.chat_text` and `processor.build`."""
     from jinja2 import TemplateError
 
-    turns, images = conversation(request, limits, template)
+    turns, images = conversation(request, limits, template, ledger, fit_pixels)
     try:
         text = processor.chat_text(turns)
     except TemplateError as exc:

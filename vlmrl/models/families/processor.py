@@ -184,6 +184,18 @@ class VLProcessor:
         """The pixel budget an image is processed at (None: the family resizes every image to a fixed size)."""
         return None
 
+    def fit_pixels(self) -> int | None:
+        """About the most pixels an image ends up with: the pixel budget, else the family's fixed size (from the
+        image processor's `size`). A server decodes large images toward it (vlmrl.serve.images); None: unknown."""
+        budget = self.max_image_pixels()
+        if budget:
+            return int(budget)
+        size = dict(getattr(self.image_processor, "size", None) or {})
+        if "height" in size and "width" in size:
+            return int(size["height"]) * int(size["width"])
+        edge = size.get("longest_edge") or size.get("shortest_edge")
+        return int(edge) ** 2 if edge else None
+
     # -- the text side ---------------------------------------------------------------------------------------------
     def prompt_text(self, problem: str, n_images: int) -> str:
         """The chat-formatted prompt: one user turn with the images first, then the problem; generation prompt on.
