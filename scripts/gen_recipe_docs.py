@@ -38,6 +38,21 @@ FOOTER = """## Data specs
   folder saved by `datasets`, its columns mapped onto vlmrl's (single- or multi-image rows). Without internet an
   uncached name is refused at once, naming `vlmrl data fetch NAME --split SPLIT --out DIR` (docs/benchmarks.md).
 - a list of such specs, concatenated.
+
+Image paths in rows are relative to `image_root`: by default the folder holding the `path:` file (or folder); for a
+`hub:` folder, that folder; for a hub name, the working directory; with `image_root: repo`, the dataset's hub
+repository. Who wrote the rows decides what a path may name:
+
+- **Your own files** (`path:` to a JSONL, JSON or parquet file): any path, absolute or climbing out with `..`; it is
+  your data.
+- **Someone else's rows** (a `hub:` dataset, or a folder saved by `datasets` given as `path:` or `hub:`): a path
+  must be relative and name a file inside `image_root` once `..` and symlinks are resolved (`sub/../a.png` is fine;
+  `/home/me/a.png`, `../a.png` or a link leading out are not). Otherwise any image the process can read could become
+  a sample and be written out with the eval samples or the rollout gallery. Such a row is an error naming the
+  dataset, row and path (or, with `on_error: skip`, skipped and counted). Fix it by setting `image_root` to the
+  folder that holds the images, or, if you trust the rows, by writing them out as a JSONL file of your own. Images a
+  `datasets.Image` column holds (the bytes, or files `datasets` keeps in its cache) are the dataset's own and load
+  as before; in the hub cache a snapshot's files may link into the repository's `blobs/`.
 """
 
 

@@ -380,6 +380,103 @@ def test_datasets_folder_missing_package_and_fake_module(tmp_path, monkeypatch):
         load_file(folder)
 
 
+# --- image paths of rows someone else wrote -------------------------------------------------------------------------
+
+
+def _someone_elses(tmp_path: Path, images: list) -> Path:
+    """A `datasets` folder root/ds whose rows name `images` (one string each); root/img.png and root/sub/ are inside
+    the image root, outside/photo.png is not."""
+    datasets = pytest.importorskip("datasets")
+    _png(tmp_path / "root" / "img.png")
+    (tmp_path / "root" / "sub").mkdir()
+    _png(tmp_path / "outside" / "photo.png", color=(1, 2, 3))
+    folder = tmp_path / "root" / "ds"
+    table = {"image": images, "problem": ["p"] * len(images), "solution": ["1"] * len(images)}
+    datasets.Dataset.from_dict(table).save_to_disk(folder)
+    return folder
+
+
+def _load(how: str, folder: Path, on_error: str = "raise"):
+    """A saved `datasets` folder as a file spec (image root: its parent) or as a hub spec with that image_root."""
+    if how == "path":
+        return build_dataset({"path": str(folder), "on_error": on_error}, "train", 0)
+    return build_dataset({"hub": str(folder), "image_root": str(folder.parent), "on_error": on_error}, "train", 0)
+
+
+def _refused(how: str, folder: Path, image: str, problem: str) -> None:
+    """Loading refuses row 1 (row 0 is a good one) naming the dataset, the row, the path, the problem and the fix;
+    with on_error: skip the row is skipped and counted."""
+    with pytest.raises(DataError) as error:
+        _load(how, folder)
+    message = str(error.value)
+    assert f"{folder} row 1: image {image!r} {problem}" in message, message
+    assert "Set image_root to the folder that holds the images" in message and "JSONL file of your own" in message
+    samples, report = _load(how, folder, on_error="skip")
+    assert len(samples) == 1 and report.skipped == 1 and f"row 1: image {image!r}" in report.problems[0]
+
+
+@pytest.mark.parametrize("how", ["path", "hub"])
+def test_a_datasets_absolute_image_path_is_refused(tmp_path, how):
+    folder = _someone_elses(tmp_path, ["img.png", str(tmp_path / "outside" / "photo.png")])
+    _refused(how, folder, str(tmp_path / "outside" / "photo.png"), "is an absolute path")
+
+
+@pytest.mark.parametrize("how", ["path", "hub"])
+def test_a_datasets_image_path_climbing_out_with_dot_dot_is_refused(tmp_path, how):
+    folder = _someone_elses(tmp_path, ["img.png", "sub/../../outside/photo.png"])
+    _refused(how, folder, "sub/../../outside/photo.png", f"leads outside the image root {tmp_path / 'root'}/")
+
+
+@pytest.mark.parametrize("how", ["path", "hub"])
+@pytest.mark.parametrize("link", ["file", "folder"])
+def test_a_datasets_image_path_through_a_symlink_out_is_refused(tmp_path, how, link):
+    name = "link.png" if link == "file" else "linked/photo.png"
+    folder = _someone_elses(tmp_path, ["img.png", name])
+    target = tmp_path / "outside" / ("photo.png" if link == "file" else "")
+    (tmp_path / "root" / name.split("/")[0]).symlink_to(target)
+    _refused(how, folder, name, f"leads outside the image root {tmp_path / 'root'}/ (to {tmp_path / 'outside'}")
+
+
+@pytest.mark.parametrize("how", ["path", "hub"])
+def test_a_datasets_image_path_that_stays_inside_loads(tmp_path, how):
+    folder = _someone_elses(tmp_path, ["img.png", "sub/../img.png", "inside.png"])
+    (tmp_path / "root" / "inside.png").symlink_to(tmp_path / "root" / "img.png")  # a link that stays inside
+    samples, report = _load(how, folder)
+    assert report.skipped == 0 and [s["images"][0].size for s in samples] == [(8, 6)] * 3
+
+
+def test_datasets_image_features_with_paths_of_datasets_own_still_load(tmp_path, monkeypatch):
+    """A `datasets.Image` column of files (an imagefolder in the hub cache) holds absolute paths outside any image
+    root, and PIL images; both are the dataset's own images."""
+    datasets = pytest.importorskip("datasets")
+    from vlmrl.data import hub
+
+    cached = _png(tmp_path / "hf_cache" / "downloads" / "extracted" / "a.png", color=(0, 9, 0))
+    features = datasets.Features({"image": datasets.Image(), "problem": datasets.Value("string"),
+                                  "solution": datasets.Value("string")})
+    in_cache = datasets.Dataset.from_dict({"image": [str(cached)], "problem": ["p"], "solution": ["1"]}, features)
+    assert in_cache.cast_column("image", datasets.Image(decode=False))[0]["image"] == {"bytes": None,
+                                                                                      "path": str(cached)}
+    monkeypatch.setattr(hub, "open_dataset", lambda *args, **kwargs: in_cache)
+    samples, _ = build_dataset({"hub": "someone/images", "image_root": str(tmp_path / "root")}, "train", 0)
+    assert samples[0]["images"].refs == (str(cached),) and samples[0]["images"][0].getpixel((0, 0)) == (0, 9, 0)
+    decoded = datasets.Dataset.from_dict({"image": [Image.new("RGB", (3, 2), (4, 5, 6))], "problem": ["p"],
+                                          "solution": ["1"]}, features)
+    decoded.save_to_disk(tmp_path / "saved")
+    samples, _ = build_dataset({"path": str(tmp_path / "saved")}, "train", 0)
+    assert samples[0]["images"][0].getpixel((0, 0)) == (4, 5, 6)
+
+
+def test_a_users_own_jsonl_may_name_any_image_path(tmp_path):
+    """The user's own rows: absolute paths, `..` out of the folder and links out all load (it is their data)."""
+    outside = _png(tmp_path / "outside" / "photo.png", color=(1, 2, 3))
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "link.png").symlink_to(outside)
+    rows = [{**GOOD, "image": str(outside)}, {**GOOD, "image": "../outside/photo.png"}, {**GOOD, "image": "link.png"}]
+    samples, report = load_file(_write_jsonl(tmp_path / "data" / "mine.jsonl", rows))
+    assert report.skipped == 0 and [s["images"][0].getpixel((0, 0)) for s in samples] == [(1, 2, 3)] * 3
+
+
 # --- specs ----------------------------------------------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@ columns map onto vlmrl's, images stay undecoded, bad specs and rows name what to
 cached nor reachable is refused at once with the command that fetches it."""
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -168,3 +169,36 @@ def test_image_paths_of_a_hub_repository(tmp_path, offline, monkeypatch, capsys)
     assert samples[0]["images"].refs[0] == str(folder / "direct_attributes" / "sa_1.jpg")
     assert main(["data", "fetch", "craigwu/vstar_bench", "--files", "--out", str(tmp_path / "v")]) == 0
     assert calls[-1] == ("craigwu/vstar_bench", "dataset", False, str(tmp_path / "v"))
+
+
+def test_image_paths_of_a_hub_snapshot_may_link_into_its_blobs(tmp_path, offline, monkeypatch):
+    """In the hub cache a snapshot's files are symlinks to the repository's blobs/: they stay inside the repository
+    (`image_root: repo`), so they load; a row naming a file outside it does not."""
+    import shutil
+
+    import huggingface_hub
+
+    folder = hub_fixtures.vstar(tmp_path)
+    repo = tmp_path / "hub" / "datasets--craigwu--vstar_bench"
+    snapshot = repo / "snapshots" / "0123abcd"
+    for number, image in enumerate(sorted(folder.glob("*/*.jpg"))):
+        blob = repo / "blobs" / f"blob{number}"
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(image, blob)
+        link = snapshot / image.relative_to(folder)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(Path("../../..") / "blobs" / blob.name)
+    spec = {"hub": "craigwu/vstar_bench", "split": "test", "image_root": "repo",
+            "columns": {"problem": "text", "solution": "label"}}
+    rows = datasets.load_dataset(str(folder), split="test")
+    monkeypatch.setattr(hub_module, "open_dataset", lambda *a, **k: rows)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda *a, **k: str(snapshot))
+    samples, _ = build_dataset(spec, "test", 0)
+    assert samples[0]["images"].refs[0] == str(snapshot / "direct_attributes" / "sa_1.jpg")
+    assert samples[2]["images"][0].size == (96, 80)
+    escaping = rows.map(lambda row, i: {"image": "../../../../vstar/" + row["image"] if i == 1 else row["image"]},
+                        with_indices=True)
+    monkeypatch.setattr(hub_module, "open_dataset", lambda *a, **k: escaping)
+    with pytest.raises(DataError, match=r"craigwu/vstar_bench\[test\] row 1: image '../../../../vstar/relative_positi"
+                                        r"on/sa_2.jpg' leads outside the image root .*datasets--craigwu--vstar_bench/"):
+        build_dataset(spec, "test", 0)

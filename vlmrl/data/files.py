@@ -6,6 +6,13 @@ text-only row. Parquet and ``datasets`` image columns may also hold HF-style ``{
 or PIL images. Other keys pass through unchanged. Every bad row is either an error naming file, line/row and what to
 do (``on_error="raise"``), or skipped and counted in the ``LoadReport`` (``on_error="skip"``); never silently dropped.
 
+Image paths in a JSON lines or parquet file (the user's own rows) may be absolute or climb out of its folder with
+``..``. The rows of a ``datasets`` folder or a hub dataset were written by someone else: their path strings must be
+relative and name a file inside the image root once ``..`` and symlinks are resolved (``confine``), or any image the
+process can read could become a sample and be written out (eval samples, the rollout gallery). Images that
+``datasets`` itself stores (``datasets.Image`` structs: the bytes, or a path it wrote into its cache) are the
+dataset's own and are read as before.
+
 Images are not decoded while loading: a sample's ``images`` is a ``LazyImages`` holding absolute paths or encoded bytes
 that decodes each image when it is used, through a bounded cache (``vlmrl.data.images``). Loading checks that each
 image exists and that its header is an image (``check_images``); an image that still fails to decode stops the run
@@ -66,8 +73,10 @@ def load_file(
     file = Path(path)
     if not file.exists():
         raise DataError(f"{path}: no such file or folder; check the path (relative paths start at {Path.cwd()})")
-    base = Path(image_root) if image_root is not None else file.parent
+    base = (Path(image_root) if image_root is not None else file.parent).absolute()
+    confine = None  # the user's own file: its image paths may be absolute or leave the folder
     if file.is_dir():
+        confine = base  # a datasets folder: written by someone else (a hub copy); its image paths stay in the root
         rows = _dataset_rows(file, str(path))
     elif file.suffix.lower() in JSON_SUFFIXES:
         rows = _json_rows(file, str(path))
@@ -81,15 +90,16 @@ def load_file(
     if n == 0:
         return [], LoadReport(path=str(path))
     try:
-        return _collect(rows, str(path), file.stem, base.absolute(), on_error, required, n, check_images)
+        return _collect(rows, str(path), file.stem, base, on_error, required, n, check_images, confine)
     finally:
         rows.close()  # n reached: the file is closed, the rest never read
 
 
 def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str,
              required: tuple[str, ...] = ("problem", "solution"), n: int | None = None,
-             check_images: str = "header") -> tuple[list[Sample], LoadReport]:
-    """Turn raw rows into samples, raising or skipping-and-counting bad ones, until ``n`` good ones; unique ids."""
+             check_images: str = "header", confine: Path | None = None) -> tuple[list[Sample], LoadReport]:
+    """Turn raw rows into samples, raising or skipping-and-counting bad ones, until ``n`` good ones; unique ids.
+    ``confine``: for rows someone else wrote, the folder their image path strings must stay inside (None: any path)."""
     report = LoadReport(path=path)
     samples: list[Sample] = []
     seen: dict[str, str] = {}
@@ -97,7 +107,7 @@ def _collect(rows: RowSource, path: str, stem: str, base: Path, on_error: str,
     for where, default_id, fetch in rows:
         total += 1
         try:
-            sample = _row_to_sample(fetch(), where, default_id, stem, base, required, check_images)
+            sample = _row_to_sample(fetch(), where, default_id, stem, base, required, check_images, confine)
             if sample["id"] in seen:
                 raise _RowError(f"id {sample['id']!r} already used at {seen[sample['id']]}; ids must be unique")
         except _RowError as error:
@@ -124,7 +134,8 @@ collect_rows = _collect  # turning a RowSource into samples, for the other loade
 
 
 def _row_to_sample(row: Any, where: str, default_id: str, stem: str, base: Path,
-                   required: tuple[str, ...] = ("problem", "solution"), check_images: str = "header") -> Sample:
+                   required: tuple[str, ...] = ("problem", "solution"), check_images: str = "header",
+                   confine: Path | None = None) -> Sample:
     """One raw row (a mapping) to a sample: check fields, normalise the solution, check images, infer answer_type."""
     if not isinstance(row, dict):
         raise _RowError(f'expected a JSON object like {{"problem": ..., "solution": ...}}, got {type(row).__name__}')
@@ -145,7 +156,7 @@ def _row_to_sample(row: Any, where: str, default_id: str, stem: str, base: Path,
     if "image" in row and "images" in row and row["image"] is not None and row["images"] is not None:
         raise _RowError("has both 'image' and 'images'; give the image(s) in one of them")
     refs = row.get("image") if row.get("image") is not None else row.get("images")
-    images = LazyImages([_image_ref(ref, base, check_images) for ref in _as_list(refs)], where)
+    images = LazyImages([_image_ref(ref, base, check_images, confine) for ref in _as_list(refs)], where)
     answer_type = row.get("answer_type")
     if answer_type is None:
         answer_type = infer_answer_type(solution)
@@ -198,9 +209,11 @@ def _as_list(refs: Any) -> list[Any]:
     return [refs]
 
 
-def _image_ref(ref: Any, base: Path, check: str) -> Ref:
+def _image_ref(ref: Any, base: Path, check: str, confine: Path | None = None) -> Ref:
     """One image reference (path, HF ``{"bytes", "path"}`` struct, raw bytes or PIL image) checked at level
-    ``check`` and kept undecoded: an absolute path, the bytes, or the (RGB) image itself."""
+    ``check`` and kept undecoded: an absolute path, the bytes, or the (RGB) image itself. With ``confine``, a path
+    string must be relative and stay inside that folder (``_check_inside``); a struct's path is what ``datasets``
+    wrote for its own image (a file of its cache, absolute), so it is read as before."""
     if isinstance(ref, Image.Image):
         return ref if ref.mode == "RGB" else ref.convert("RGB")  # already in memory
     if isinstance(ref, dict):
@@ -210,12 +223,14 @@ def _image_ref(ref: Any, base: Path, check: str) -> Ref:
             what = f"image bytes of {ref.get('path') or 'an image struct'!r}"
             return _checked_bytes(bytes(ref["bytes"]), what, check)
         if ref.get("path") is not None:
-            return _image_ref(str(ref["path"]), base, check)
+            return _image_ref(str(ref["path"]), base, check)  # datasets' own file: not confined
         raise _RowError("image struct has neither 'bytes' nor 'path'")
     if isinstance(ref, (bytes, bytearray, memoryview)):
         return _checked_bytes(bytes(ref), "image bytes", check)
     if not isinstance(ref, str):
         raise _RowError(f"image must be a path string (or a list of them), got {type(ref).__name__}")
+    if confine is not None:
+        _check_inside(ref, base, confine)
     absolute = os.path.isabs(ref)
     file = ref if absolute else os.path.join(base, ref)
     problem = check_image(file, check)
@@ -225,6 +240,24 @@ def _image_ref(ref: Any, base: Path, check: str) -> Ref:
     if problem:
         raise _RowError(f"image {ref!r} {problem}; re-save it as PNG or JPEG")
     return file
+
+
+def _check_inside(ref: str, base: Path, root: Path) -> None:
+    """RowError unless image path ``ref`` is relative and, joined to ``base`` with ``..`` and symlinks resolved,
+    names something strictly inside ``root`` (``sub/../a.png`` is fine; ``../a.png`` or a link out of it is not)."""
+    if os.path.isabs(ref):
+        problem = "is an absolute path"
+    else:
+        real_root = os.path.realpath(root)
+        real = os.path.realpath(os.path.join(base, ref))
+        if real != real_root and os.path.commonpath([real, real_root]) == real_root:
+            return
+        problem = f"leads outside the image root {root}/ (to {real})"
+    raise _RowError(
+        f"image {ref!r} {problem}; a dataset's rows may only name image files inside its image root, relative to "
+        f"{base}/. Set image_root to the folder that holds the images, or, if you trust these rows, write them to a "
+        f"JSONL file of your own (its image paths may be absolute)"
+    )
 
 
 def _checked_bytes(data: bytes, what: str, check: str) -> bytes:

@@ -19,7 +19,8 @@ naming the dataset, split and row (or skipped and counted with ``on_error: skip`
 
 Image columns may hold the images (``datasets.Image``), or paths: relative to ``image_root``, by default to a local
 dataset's folder; ``image_root: repo`` reads them from the dataset's hub repository (V* Bench keeps its images as
-files beside ``test_questions.jsonl``).
+files beside ``test_questions.jsonl``). Such a path must be relative and stay inside that folder, ``..`` and symlinks
+resolved (the rows are someone else's: an absolute path or one that leaves is a bad row, raised or skipped).
 
 Offline-aware: a hub name loads through ``datasets.load_dataset`` (its cache: ``HF_DATASETS_CACHE``). When the hub
 cannot be reached (no network, or ``HF_HUB_OFFLINE=1``) a cached dataset loads from the cache with the hub switched
@@ -229,9 +230,10 @@ def load_hub(spec: Mapping[str, Any], where: str = "data spec", default_on_error
     rows = dataset_rows(dataset, label, row_of)
     base = image_base(str(name), spec.get("image_root"), spec.get("revision"), where)
     stem = str(name).rstrip("/").split("/")[-1]
-    try:
+    try:  # the rows are someone else's: their image paths must stay inside the image root
         return collect_rows(rows, label, stem, base, spec.get("on_error", default_on_error),
-                            n=spec.get("n"), check_images=spec.get("check_images", "header"))
+                            n=spec.get("n"), check_images=spec.get("check_images", "header"),
+                            confine=repository_folder(base))
     finally:
         rows.close()
 
@@ -281,6 +283,14 @@ def image_base(name: str, image_root: str | None, revision: str | None = None, w
     return (Path(name).expanduser() if is_local(name) else Path(".")).absolute()
 
 
+def repository_folder(base: Path) -> Path:
+    """The folder a dataset's image paths must stay inside: ``base``, or for a snapshot in the hub cache
+    (``<repo>/snapshots/<revision>``, whose files are symlinks to ``<repo>/blobs``) the repository's cache folder."""
+    if base.parent.name == "snapshots" and (base.parent.parent / "blobs").is_dir():
+        return base.parent.parent
+    return base
+
+
 def fetch_files(name: str, out: str | Path, revision: str | None = None) -> Path:
     """Download a hub dataset's whole repository (its data files and the image files they name) into ``out``."""
     from huggingface_hub import snapshot_download
@@ -300,4 +310,4 @@ def save_split(name: str, out: str | Path, split: str | None = None, config: str
 
 
 __all__ = ["HUB_SPEC_KEYS", "RowError", "check_columns", "fetch_command", "fetch_files", "image_base", "is_cached",
-           "load_hub", "offline_reason", "open_dataset", "save_split"]
+           "load_hub", "offline_reason", "open_dataset", "repository_folder", "save_split"]
