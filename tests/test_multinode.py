@@ -76,7 +76,7 @@ def train_args(tmp_path: Path, *extra: str) -> list[str]:
             f"rewards=[{{name: '{tmp_path / 'reward.py'}:score', isolate: false}}]", "trainer.lr=1e-2", *extra]
 
 
-@pytest.mark.slow  # ~35 s
+@pytest.mark.slow  # ~30 s (44 s on a busy machine)
 def test_two_nodes_train_checkpoint_and_resume_with_one_writer(tmp_path):
     """3 steps on two nodes, a checkpoint (FSDP2: each rank's optimizer shard and RNG in rank 0's folder), then 2 more
     from it on the same two nodes: both launchers exit 0, the run continues at step 4, and every record, event file
@@ -109,7 +109,7 @@ def test_two_nodes_train_checkpoint_and_resume_with_one_writer(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["run"]
 
 
-@pytest.mark.slow  # ~30 s
+@pytest.mark.slow  # ~25 s
 def test_a_worker_killed_on_one_node_stops_both_nodes_and_is_named(tmp_path):
     """SIGKILL to the worker on the second node (not its launcher) mid-run: both launchers exit non-zero within
     seconds, and the first node's output names the rank that died. Without vlmrl.trainer.peers the surviving node
