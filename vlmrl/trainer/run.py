@@ -40,6 +40,7 @@ from vlmrl.trainer.inputs import Datasets, load_datasets
 from vlmrl.trainer.job import RLJob, check_distributed, lr_lambda, prepare_rl, start_vllm
 from vlmrl.trainer.limits import check_data_fits, user_texts, uses_tools
 from vlmrl.trainer.logger import MetricsLogger, rewind_logs
+from vlmrl.trainer.peers import peers_named
 from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_decisions
 from vlmrl.trainer.resume import check_resume, find_resume_point, rewind_checkpoints
 from vlmrl.trainer.rollout_ranks import serve_rollouts, split_ranks
@@ -188,7 +189,13 @@ def train(cfg: Config, progress: Progress | None = None, resume: str | Path | No
     `resume`: a run directory (its newest complete checkpoint) or RUN_DIR/checkpoint-N; the run directory is
     rewound to that step (vlmrl.trainer.resume). SIGTERM/SIGINT during the RL phase stop it after the current step
     with a checkpoint; the summary then has `preempted` (the signal), `stopped_at` and `resume` (the command).
+    Under torchrun a rank whose collective fails because another rank stopped names that rank (vlmrl.trainer.peers).
     """
+    with peers_named():
+        return run_job(cfg, progress, resume)
+
+
+def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -> dict:
     progress = progress or Progress()
     t_start = time.perf_counter()
     validate(cfg)  # a config built or changed in code is checked as a recipe is
