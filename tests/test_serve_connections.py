@@ -33,7 +33,12 @@ class Echo(BaseModel):
 
 
 def echo_app(limits: ServeLimits) -> FastAPI:
-    app = FastAPI()
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await asyncio.sleep(0.2)  # shutting down takes a moment, as the chat app's does (its batcher stops)
+
+    app = FastAPI(lifespan=lifespan)
     app.state.limits = limits
     install_errors(app)
     app.add_middleware(RequestGate, budget=MemoryBudget(limits.max_queue_bytes), max_bytes=limits.max_body_bytes,

@@ -29,6 +29,7 @@ import asyncio
 import ctypes
 import ctypes.util
 import json
+import logging
 import re
 import threading
 
@@ -38,6 +39,7 @@ JSON_PER_BYTE = 100  # bytes of Python objects per byte of JSON structure (a dic
 MAX_STRUCTURE = 2**20  # bytes of JSON outside strings: 256 messages of 64 image parts each take 420 KB
 MAX_DEPTH = 32  # nesting of JSON objects and arrays (a chat request nests 5 deep)
 TRIM_AFTER = 64 * 2**20  # a budget that held this much gives freed memory back when it empties
+log = logging.getLogger(__name__)
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 
@@ -163,6 +165,8 @@ class RequestGate:
                 return await receive()  # after the body: the disconnect, for streaming responses
 
             await self.app(scope, replay, send)
+        except asyncio.CancelledError:  # only a stopping server cancels a request (its drain deadline passed):
+            log.info("a request was cancelled: the server is stopping")  # one line, not a traceback
         finally:
             ledger.close()
 
@@ -193,8 +197,6 @@ class RequestGate:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
-        if status in (408, 413):  # the rest of the body is never read: the connection cannot carry another request
-            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
 
