@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from vlmrl.deadlines import ROLLOUT_RANK_IDLE
 from vlmrl.errors import ConfigError, TrainingError
 from vlmrl.trainer.asynchronous import pending_file
 from vlmrl.trainer.distributed import DistInfo, broadcast_object, full_parameters, join_process_group, process_device
@@ -53,14 +54,6 @@ class Links:
     weights: object  # training rank 0 and the rollout ranks, in the run's backend: the weights
     rollout: list[int]  # the rollout ranks' global ranks
     trainers: int  # training ranks (global ranks 0..trainers-1)
-
-
-# How long a rollout rank waits for the training ranks' next message (the control group's timeout). The training side
-# may legitimately be silent for as long as an SFT warm-start, an evaluation or a checkpoint takes (hours), so the
-# wait is not torch's default 30 minutes, after which the rollout rank died and torchrun ended the run before its final
-# checkpoint. A training rank that dies still ends the job at once (torchrun stops every process when one exits with
-# an error); the training side's own waits on the rollout ranks keep `rollout.producer_timeout`, naming the rank.
-ROLLOUT_RANK_IDLE = datetime.timedelta(days=7)
 
 
 def split_ranks(mode: str, device: str, rollout_ranks: int) -> DistInfo:
