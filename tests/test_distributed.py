@@ -1,6 +1,7 @@
 """torchrun with 2 processes (gloo, CPU): DDP and FSDP2 steps equal a single-process run on the same global batch, and
 a run resumed under torchrun from its step-1 checkpoint (FSDP2: sharded optimizer state) ends where it would have."""
 
+import datetime
 import json
 import os
 import subprocess
@@ -391,7 +392,7 @@ runpy.run_module("vlmrl", run_name="__main__")
 def test_a_rollout_rank_waits_through_a_training_phase_longer_than_the_group_timeout(tmp_path):
     """The rollout rank waits for the training ranks' first message through their whole SFT warm-start. With torch's
     default group timeout (30 minutes; cut to 10 s here, with an SFT of ~25 s) the rollout rank died and torchrun
-    ended the run without its final checkpoint; its wait is now ROLLOUT_RANK_IDLE (rollout_ranks.py)."""
+    ended the run without its final checkpoint; its wait is now ROLLOUT_RANK_IDLE (vlmrl/deadlines.py)."""
     launcher = tmp_path / "short_groups.py"
     launcher.write_text(SHORT_GROUPS)
     args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(launcher), "train", GRPO, *SMALL,
@@ -422,4 +423,4 @@ def test_rollout_ranks_are_refused_where_they_cannot_run():
         with pytest.raises(ConfigError, match=said):
             load_config(GRPO, bad)
     with pytest.raises(ConfigError, match="more processes than rollout ranks"):
-        split_ranks("ddp", "cpu", 1)  # one process: nothing left to train
+        split_ranks("ddp", "cpu", 1, timeout=datetime.timedelta(hours=1))  # one process: nothing left to train

@@ -284,7 +284,7 @@ def test_what_torchrun_cannot_run_is_refused_before_sft(tmp_path, monkeypatch, c
     from vlmrl.trainer.job import check_distributed
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(run, "init_distributed", lambda mode, device: DistInfo(mode, 0, 2, 0, "cpu"))
+    monkeypatch.setattr(run, "init_distributed", lambda mode, device, **_: DistInfo(mode, 0, 2, 0, "cpu"))
     assert main(["train", "trainer.distributed=ddp", "replay.weight=0.1", "replay.batch_size=7"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: replay.batch_size=7 must be a multiple of the number of processes (2) under "

@@ -17,9 +17,9 @@ import vlmrl
 # longest prefix that names it; it may import its own layer's modules and any layer below. Entries of one layer
 # separated by "|" sit side by side: neither imports the other.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("errors/configlib", ("vlmrl", "vlmrl.errors", "vlmrl.configlib", "vlmrl.config", "vlmrl.references",
-                          "vlmrl.rundir", "vlmrl.preflight", "vlmrl.progress", "vlmrl.cache", "vlmrl.allocator",
-                          "vlmrl.optim", "vlmrl.recipes")),
+    ("errors/configlib", ("vlmrl", "vlmrl.errors", "vlmrl.configlib", "vlmrl.config", "vlmrl.deadlines",
+                          "vlmrl.references", "vlmrl.rundir", "vlmrl.preflight", "vlmrl.progress", "vlmrl.cache",
+                          "vlmrl.allocator", "vlmrl.optim", "vlmrl.recipes")),
     ("data", ("vlmrl.data",)),
     ("models", ("vlmrl.models",)),
     ("rollout | rewards | algorithms", ("vlmrl.rollout", "|", "vlmrl.rewards", "|", "vlmrl.algorithms")),

@@ -3,6 +3,8 @@ each torchrun rank, dropout in RL forwards, and Policy.clone."""
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 
@@ -122,15 +124,16 @@ def test_each_rank_binds_its_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
     monkeypatch.setattr(distributed.dist, "is_initialized", lambda: False)
     monkeypatch.setattr(distributed.dist, "init_process_group",
-                        lambda backend, **kw: calls.append(("init", backend, kw.get("device_id"))))
+                        lambda backend, **kw: calls.append(("init", backend, kw.get("device_id"), kw["timeout"])))
     monkeypatch.setattr(distributed.dist, "get_rank", lambda: 3)
     monkeypatch.setattr(distributed.dist, "get_world_size", lambda: 4)
-    info = distributed.init_distributed("fsdp2", "cuda")
+    hour = datetime.timedelta(hours=1)
+    info = distributed.init_distributed("fsdp2", "cuda", timeout=hour)
     assert info.device == "cuda:1" and info.local_rank == 1 and info.rank == 3
-    assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1))]  # the device first, then NCCL
+    assert calls == [("set_device", 1), ("init", "nccl", torch.device("cuda", 1), hour)]  # the device, then NCCL
     calls.clear()
-    info = distributed.init_distributed("ddp", "cpu")
-    assert info.device == "cpu" and calls == [("init", "gloo", None)]
+    info = distributed.init_distributed("ddp", "cpu", timeout=hour)
+    assert info.device == "cpu" and calls == [("init", "gloo", None, hour)]
 
 
 def test_process_device():

@@ -33,6 +33,7 @@ from vlmrl.configlib import (  # noqa: F401  (parse_override, to_dict, save_conf
     to_dict,
 )
 from vlmrl.configlib import validate as _validate
+from vlmrl.deadlines import PRODUCER_TIMEOUT_S
 from vlmrl.errors import ConfigError  # noqa: F401  (re-exported: vlmrl.config.ConfigError)
 
 QUICKSTART = Path(__file__).resolve().parent / "recipes" / "quickstart.yaml"  # what `vlmrl train` runs by default
@@ -123,7 +124,7 @@ class RolloutConfig:
     # synchronous training
     asynchronous: bool = False
     max_staleness: Count = 1
-    producer_timeout: Positive = 600.0  # seconds the trainer waits for a step's rollouts before stopping the run
+    producer_timeout: Positive = PRODUCER_TIMEOUT_S  # seconds the trainer waits for a step's rollouts before stopping the run
     # under torchrun: the last N processes only generate (stages I + II) and the others only train
     # (vlmrl/trainer/rollout_ranks.py, docs/scaling.md); 0 = every process generates its own share and trains on it
     rollout_ranks: Count = 0

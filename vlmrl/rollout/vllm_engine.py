@@ -75,6 +75,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from vlmrl.deadlines import ENGINE_CALL_S
 from vlmrl.errors import ConfigError, DataError
 from vlmrl.models.batch import PromptBatch
 from vlmrl.models.policy import Policy
@@ -99,7 +100,7 @@ DEFAULTS: dict[str, Any] = {
     "enforce_eager": False,
     "sleep": None,  # sleep (level 1) between generation and training; None: on GPUs (vLLM's CPU backend has none)
     "dtype": None,  # None: the precision training runs in (`engine_options`); "auto": the checkpoint's
-    "timeout": 1800.0,  # seconds any one engine call may take before the run stops, naming the call
+    "timeout": ENGINE_CALL_S,  # seconds any one engine call may take before the run stops, naming the call
 }
 LAUNCHER_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 

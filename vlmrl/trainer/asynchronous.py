@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from vlmrl.deadlines import THREAD_EXIT_S
 from vlmrl.errors import TrainingError
 from vlmrl.models.policy import Policy
 from vlmrl.trainer.distributed import TrainingForward, full_parameters, gathered
@@ -256,6 +257,6 @@ class AsyncRollouts:
     def close(self, failed: bool = False) -> None:
         self._requests.put(None)
         self._scores.put(None)
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=THREAD_EXIT_S)
         if self._scorer is not None:
-            self._scorer.join(timeout=5)
+            self._scorer.join(timeout=THREAD_EXIT_S)

@@ -12,6 +12,7 @@ the update equals the single-process one. gloo on CPU, NCCL on GPU; logging and 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 from dataclasses import dataclass
 
@@ -60,11 +61,11 @@ def process_device(device: str, local_rank: int, world: int) -> str:
     return f"cuda:{local_rank}"
 
 
-def init_distributed(mode: str, device: str) -> DistInfo:
+def init_distributed(mode: str, device: str, *, timeout: datetime.timedelta) -> DistInfo:
     """Join the process group torchrun set up (RANK / WORLD_SIZE / LOCAL_RANK); a plain `python -m vlmrl` run is
     world size 1. On GPUs every rank binds its own device (`cuda:LOCAL_RANK`) before NCCL starts, and the policy,
-    reference, critic and vLLM engine are all placed on `DistInfo.device`. (With rollout ranks:
-    vlmrl.trainer.rollout_ranks.split_ranks.)"""
+    reference, critic and vLLM engine are all placed on `DistInfo.device`. `timeout`: every collective's deadline
+    (vlmrl.deadlines.collective_timeout). (With rollout ranks: vlmrl.trainer.rollout_ranks.split_ranks.)"""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if mode == "none" or world == 1:
@@ -73,18 +74,19 @@ def init_distributed(mode: str, device: str) -> DistInfo:
             torch.cuda.set_device(torch.device(device))
         return DistInfo(mode, 0, 1, 0, device)
     device = process_device(device, local_rank, world)
-    join_process_group(device, local_rank)
+    join_process_group(device, local_rank, timeout)
     return DistInfo(mode, dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def join_process_group(device: str, local_rank: int) -> None:
-    """torchrun's default group: NCCL on this rank's GPU, gloo on the CPU."""
+def join_process_group(device: str, local_rank: int, timeout: datetime.timedelta) -> None:
+    """torchrun's default group: NCCL on this rank's GPU, gloo on the CPU; `timeout` bounds each of its collectives
+    (not torch's default, which depends on the backend: vlmrl.deadlines)."""
     if device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
         if not dist.is_initialized():
-            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+            dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank), timeout=timeout)
     elif not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
 
 
 def shard(n: int, info: DistInfo) -> tuple[int, int]:

@@ -23,10 +23,11 @@ import time
 
 import torch.distributed as dist
 
+# how long a rank that lost contact waits for the other ranks' word before naming the silent ones, and tries to reach
+# the rendezvous store (vlmrl.deadlines)
+from vlmrl.deadlines import PEER_WORD_S, STORE_CONNECT_S
 from vlmrl.errors import TrainingError
 
-PEER_WORD_S = 10.0  # how long a rank that lost contact waits for the other ranks' word before naming the silent ones
-STORE_CONNECT_S = 10.0  # how long it tries to reach the rendezvous store
 LOST = "lost contact"
 # what gloo and NCCL say when a peer's connection is gone (gloo raises a plain RuntimeError)
 TRANSPORT_WORDS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "gloo/transport")

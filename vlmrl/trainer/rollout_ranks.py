@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from vlmrl.deadlines import ROLLOUT_RANK_IDLE
 from vlmrl.errors import ConfigError, TrainingError
 from vlmrl.trainer.asynchronous import pending_file
 from vlmrl.trainer.distributed import DistInfo, broadcast_object, full_parameters, join_process_group, process_device
@@ -55,17 +56,13 @@ class Links:
     trainers: int  # training ranks (global ranks 0..trainers-1)
 
 
-# How long a rollout rank waits for the training ranks' next message (the control group's timeout). The training side
-# may legitimately be silent for as long as an SFT warm-start, an evaluation or a checkpoint takes (hours), so the
-# wait is not torch's default 30 minutes, after which the rollout rank died and torchrun ended the run before its final
-# checkpoint. A training rank that dies still ends the job at once (torchrun stops every process when one exits with
-# an error); the training side's own waits on the rollout ranks keep `rollout.producer_timeout`, naming the rank.
-ROLLOUT_RANK_IDLE = datetime.timedelta(days=7)
-
-
-def split_ranks(mode: str, device: str, rollout_ranks: int) -> DistInfo:
+def split_ranks(mode: str, device: str, rollout_ranks: int, *, timeout: datetime.timedelta) -> DistInfo:
     """`init_distributed` for a split run: join torchrun's group and make the groups (every rank makes every group, in
-    one order); the training ranks' `DistInfo` counts training ranks only, a rollout rank's the rollout ranks."""
+    one order); the training ranks' `DistInfo` counts training ranks only, a rollout rank's the rollout ranks.
+
+    Deadlines (vlmrl.deadlines): the collectives of the training ranks, of the rollout ranks and of the weights'
+    broadcast wait `timeout` (`collective_timeout`); the control group, which a rollout rank waits on for the training
+    ranks' next message, `ROLLOUT_RANK_IDLE` (the training ranks may be silent for hours: SFT, evaluations)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if mode == "none" or world <= rollout_ranks:
@@ -73,12 +70,13 @@ def split_ranks(mode: str, device: str, rollout_ranks: int) -> DistInfo:
                           f"ranks and trainer.distributed=ddp or fsdp2 (got {world} process(es), "
                           f"trainer.distributed={mode})")
     device = process_device(device, local_rank, world)
-    join_process_group(device, local_rank)
+    join_process_group(device, local_rank, timeout)
     rank, trainers = dist.get_rank(), world - rollout_ranks
-    train_group = dist.new_group(list(range(trainers)))
-    rollout_group = dist.new_group(list(range(trainers, world)))
+    train_group = dist.new_group(list(range(trainers)), timeout=timeout)
+    rollout_group = dist.new_group(list(range(trainers, world)), timeout=timeout)
     control = dist.new_group(backend="gloo", timeout=ROLLOUT_RANK_IDLE)
-    links = Links(control, dist.new_group([0, *range(trainers, world)]), list(range(trainers, world)), trainers)
+    weights = dist.new_group([0, *range(trainers, world)], timeout=timeout)
+    links = Links(control, weights, list(range(trainers, world)), trainers)
     if rank < trainers:
         return DistInfo(mode, rank, trainers, local_rank, device, group=train_group, links=links)
     return DistInfo("none", rank - trainers, rollout_ranks, local_rank, device, group=rollout_group, links=links,

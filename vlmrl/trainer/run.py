@@ -19,6 +19,7 @@ from vlmrl.agent.tools import TOOL_TOKENS
 from vlmrl.algorithms.choices import check_algorithm
 from vlmrl.config import Config, save_config, to_dict, validate
 from vlmrl.data import vocabulary_texts
+from vlmrl.deadlines import collective_timeout
 from vlmrl.errors import VlmrlError
 from vlmrl.eval.generative import Solved, evaluate
 from vlmrl.eval.regressions import fallen_tasks, fallen_warning, task_accuracies
@@ -206,9 +207,10 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
         torch.set_num_threads(cfg.trainer.threads)
     seed_everything(cfg.trainer.seed)
     if cfg.rollout.rollout_ranks:  # the last ranks generate, the others train (vlmrl.trainer.rollout_ranks)
-        dist_info = split_ranks(cfg.trainer.distributed, cfg.model.device, cfg.rollout.rollout_ranks)
+        dist_info = split_ranks(cfg.trainer.distributed, cfg.model.device, cfg.rollout.rollout_ranks,
+                                timeout=collective_timeout(cfg.rollout))
     else:
-        dist_info = init_distributed(cfg.trainer.distributed, cfg.model.device)
+        dist_info = init_distributed(cfg.trainer.distributed, cfg.model.device, timeout=collective_timeout(cfg.rollout))
     check_distributed(cfg, dist_info)
     rewards = reward_specs(cfg)  # the length penalty's limits follow the generation budget unless set
     check_specs(rewards)  # an unknown reward or option fails here, before data or model are built
