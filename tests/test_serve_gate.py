@@ -179,3 +179,24 @@ def test_a_jpeg_decodes_at_a_smaller_scale_toward_the_budget():
 def test_an_image_without_a_budget_is_decoded_whole():
     image = decode_image(url(png((300, 200), "RGB")), ServeLimits(), "image", Ledger(MemoryBudget(64 * MiB)))
     assert image.size == (300, 200)
+
+
+def test_memory_is_handed_back_when_a_burst_is_over(monkeypatch):
+    """The budget trims the heap when it empties after holding more than TRIM_AFTER, and not for small requests."""
+    from vlmrl.serve import gate
+
+    trims = []
+    monkeypatch.setattr(gate, "trim_memory", lambda: trims.append(1))
+    budget = MemoryBudget(1024 * MiB)
+    small, big = Ledger(budget), Ledger(budget)
+    small.take(MiB, "small")
+    small.close()
+    assert trims == []
+    big.take(gate.TRIM_AFTER + 1, "big")
+    small.take(MiB, "small")
+    big.close()
+    assert trims == []  # not while a request still holds memory
+    small.close()
+    assert trims == [1]
+    if gate._LIBC is not None:  # glibc: large buffers become their own mappings (mallopt answers 1)
+        assert gate.give_back_memory()
