@@ -195,3 +195,33 @@ def test_adapters_accept_the_variants_hub_copies_hold():
     rows = refcoco_row({"question_id": "7", "image": b"", "answer": "['the cat', 'left cat']",
                         "bbox": [1.0, 2.0, 3.0, 4.0]})
     assert [r["expression"] for r in rows] == ["the cat", "left cat"] and rows[0]["solution"] == "[1, 2, 4, 6]"
+
+
+# ---------------------------------------------------------------------------------------- issue 53: answers models give
+
+
+def test_answer_stated_with_a_colon_or_on_the_next_line():
+    """"The answer is: C" is C, not ": C"; "The correct answer is:" reads the next line (MathVista, MathVerse, V*)."""
+    assert final_answer("The answer is: C") == "C" and final_answer("The correct answer is:\n\n(B) No") == "(B) No"
+    assert mathvista(["The answer is: C", "Sure! The answer to the question is:\n\n(C) 60"], "60", "multi_choice",
+                     "text", ANGLES) == [1, 1]
+    assert mathverse_score(["The answer is: C", "The correct answer is:\nC"], ["C"] * 2,
+                           question_type=["multi-choice"] * 2) == [1, 1]
+    assert vstar_score(["The answer is: B", "The correct answer is:\n(B) black"], ["B"] * 2) == [1, 1]
+
+
+
+def test_letter_beside_capitalised_text():
+    """A marked letter names its option whatever follows it (V*, MathVerse option lines)."""
+    answers = ["(B) A white cup", "B. Since O is the center", "(B) because (A) is too small", "B: The red one"]
+    n = len(answers)
+    assert vstar_score(answers, ["B"] * n) == [1] * n
+    assert mathverse_score(answers, ["B"] * n, question_type=["multi-choice"] * n) == [1] * n
+    assert choice_letter("(A) or (B)", 4) is None and choice_letter("A white cup", 4) is None
+
+
+def test_markdown_and_a_letter_that_ends_the_answer():
+    """lmms-eval's V* reader takes "**B**" and "I think it's B" as B; "A or B" still names no one option."""
+    answers = ["**B**", "I think it's B", "I think it's B.", "A or B", "**(B)** black"]
+    assert vstar_score(answers, ["B"] * 5) == [1, 1, 1, 0, 1]
+    assert mathverse_score(answers[:2], ["B"] * 2, question_type=["multi-choice"] * 2) == [1, 1]
