@@ -210,6 +210,15 @@ def test_answer_stated_with_a_colon_or_on_the_next_line():
     assert vstar_score(["The answer is: B", "The correct answer is:\n(B) black"], ["B"] * 2) == [1, 1]
 
 
+def test_mathverse_golds_with_a_label_and_unit():
+    """MathVerse's judge counts a bare value right against "Area $=113.1 \\mathrm{~cm}^{2}$" (and the labelled form)."""
+    golds = ["Area $=113.1 \\mathrm{~cm}^{2}$", "Area $=113.1 \\mathrm{~cm}^{2}$", "Area $=113.1 \\mathrm{~cm}^{2}$",
+             "$r=7.00$", "$5=s$", "2191.7 metres", "Area $=9 \\pi \\mathrm{cm}^{2}$",
+             "\\frac{1225\\pi }{2} \\text { units }^2", "y=-2 x+5"]
+    answers = ["113.1", "Area = 113.1 cm^2", "113", "7", "5", "2191.7", "9\\pi", "\\frac{1225\\pi}{2}", "y=-2x+5"]
+    n = len(golds)
+    assert mathverse_score(answers, golds, question_type=["free-form"] * n) == [1, 1, 0, 1, 1, 1, 1, 1, 1]
+
 
 def test_letter_beside_capitalised_text():
     """A marked letter names its option whatever follows it (V*, MathVerse option lines)."""
@@ -225,3 +234,18 @@ def test_markdown_and_a_letter_that_ends_the_answer():
     answers = ["**B**", "I think it's B", "I think it's B.", "A or B", "**(B)** black"]
     assert vstar_score(answers, ["B"] * 5) == [1, 1, 1, 0, 1]
     assert mathverse_score(answers[:2], ["B"] * 2, question_type=["multi-choice"] * 2) == [1, 1]
+
+
+def test_mathverse_multiple_choice_golds_that_are_not_one_letter():
+    """Golds "False" (an option's text), "090^\\circ T" and "C\\nD" (two answers) are scored, never None."""
+    from vlmrl.eval.benchmarks.mathverse import options_in
+
+    bearing = options_in("Find the true bearing.\nChoice:\nA. 090^\\circ T\nB. 180^\\circ T\nC. 049^\\circ T")
+    true_false = options_in("True or false: the side is opposite.\nChoice:\nA. True\nB. False")
+    assert bearing == ["090^\\circ T", "180^\\circ T", "049^\\circ T"] and true_false == ["True", "False"]
+    answers = ["A", "B", "B", "False", "A", "C, D", "C and D", "C"]
+    golds = ["090^\\circ T", "090^\\circ T", "False", "False", "False", "C\nD", "C\nD", "C\nD"]
+    options = [bearing, bearing, true_false, true_false, true_false, [], [], []]
+    n = len(answers)
+    assert mathverse_score(answers, golds, question_type=["multi-choice"] * n,
+                           mathverse_options=options) == [1, 0, 1, 1, 0, 1, 1, 0]
