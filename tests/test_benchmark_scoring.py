@@ -125,12 +125,12 @@ def test_refcoco_iou_threshold_and_answer_block():
     gold = "[0, 0, 10, 10]"
     answers = ["<answer>[0, 0, 10, 5.1]</answer>", "<answer>[0, 0, 10, 5]</answer>",
                "<think>[0, 0, 1, 1]</think><answer>[0, 0, 10, 10]</answer>", "<answer>no box</answer>",
-               "<answer>[10, 10, 0, 0]</answer>", "<answer>[0, 0, 10, 10] [50, 50, 60, 60]</answer>",
+               "<answer>[10, 10, 0, 0]</answer>", "<answer>[50, 50, 60, 60] [0, 0, 10, 10]</answer>",
                "[0, 0, 10, 10]", "<think>[0, 0, 10, 10]</think> no answer block",
                '<answer>{"bbox_2d": [0, 0, 10, 10]}</answer> <answer>[50, 50, 60, 60]</answer>']
     n = len(answers)
     # IoU 0.51 passes, exactly 0.5 fails (strict >); a box outside any <answer> block is no answer; an inverted box
-    # never pays; the first box of the first block counts
+    # never pays; the last box of the first block counts (VLM-R1's greedy pattern)
     assert refcoco_score(answers, [gold] * n, width=[100] * n, height=[100] * n) == [1, 0, 1, 0, 0, 1, 0, 0, 1]
     assert predicted_box("<answer>[0.1, 0.2, 0.5, 0.6]</answer>", 100, 50, "normalized") == pytest.approx(
         (10, 10, 50, 30))
@@ -249,3 +249,18 @@ def test_mathverse_multiple_choice_golds_that_are_not_one_letter():
     n = len(answers)
     assert mathverse_score(answers, golds, question_type=["multi-choice"] * n,
                            mathverse_options=options) == [1, 0, 1, 1, 0, 1, 1, 0]
+
+
+def test_refcoco_box_past_the_image_edge_scores_by_its_iou():
+    """VLM-R1 neither clips nor refuses a box past the edge: its IoU decides (here 0.97 with a 100 px image)."""
+    gold = "[0, 0, 97, 50]"
+    answers = ["<answer>[0, 0, 100, 50]</answer>", "<answer>[-3, 0, 97, 50]</answer>",
+               "<answer>[0, 0, 400, 50]</answer>"]
+    assert refcoco_score(answers, [gold] * 3, width=[97] * 3, height=[50] * 3) == [1, 1, 0]
+
+
+def test_geometry3k_counts_a_boxed_answer_inside_think():
+    """EasyR1's mathruler `extract_boxed_content` is `rfind("\\boxed{")` over the whole response, think included."""
+    answers = ["<think>so x = \\boxed{3\\sqrt{2}}</think> done", "<think>\\boxed{4}</think> \\boxed{3\\sqrt{2}}",
+               "<think>\\boxed{3\\sqrt{2}}</think> \\boxed{4}"]
+    assert geometry3k_score(answers, ["3\\sqrt{2}"] * 3) == [1, 1, 0]
