@@ -125,12 +125,12 @@ def test_refcoco_iou_threshold_and_answer_block():
     gold = "[0, 0, 10, 10]"
     answers = ["<answer>[0, 0, 10, 5.1]</answer>", "<answer>[0, 0, 10, 5]</answer>",
                "<think>[0, 0, 1, 1]</think><answer>[0, 0, 10, 10]</answer>", "<answer>no box</answer>",
-               "<answer>[10, 10, 0, 0]</answer>", "<answer>[0, 0, 10, 10] [50, 50, 60, 60]</answer>",
+               "<answer>[10, 10, 0, 0]</answer>", "<answer>[50, 50, 60, 60] [0, 0, 10, 10]</answer>",
                "[0, 0, 10, 10]", "<think>[0, 0, 10, 10]</think> no answer block",
                '<answer>{"bbox_2d": [0, 0, 10, 10]}</answer> <answer>[50, 50, 60, 60]</answer>']
     n = len(answers)
     # IoU 0.51 passes, exactly 0.5 fails (strict >); a box outside any <answer> block is no answer; an inverted box
-    # never pays; the first box of the first block counts
+    # never pays; the last box of the first block counts (VLM-R1's greedy pattern)
     assert refcoco_score(answers, [gold] * n, width=[100] * n, height=[100] * n) == [1, 0, 1, 0, 0, 1, 0, 0, 1]
     assert predicted_box("<answer>[0.1, 0.2, 0.5, 0.6]</answer>", 100, 50, "normalized") == pytest.approx(
         (10, 10, 50, 30))
@@ -195,3 +195,72 @@ def test_adapters_accept_the_variants_hub_copies_hold():
     rows = refcoco_row({"question_id": "7", "image": b"", "answer": "['the cat', 'left cat']",
                         "bbox": [1.0, 2.0, 3.0, 4.0]})
     assert [r["expression"] for r in rows] == ["the cat", "left cat"] and rows[0]["solution"] == "[1, 2, 4, 6]"
+
+
+# ---------------------------------------------------------------------------------------- issue 53: answers models give
+
+
+def test_answer_stated_with_a_colon_or_on_the_next_line():
+    """"The answer is: C" is C, not ": C"; "The correct answer is:" reads the next line (MathVista, MathVerse, V*)."""
+    assert final_answer("The answer is: C") == "C" and final_answer("The correct answer is:\n\n(B) No") == "(B) No"
+    assert mathvista(["The answer is: C", "Sure! The answer to the question is:\n\n(C) 60"], "60", "multi_choice",
+                     "text", ANGLES) == [1, 1]
+    assert mathverse_score(["The answer is: C", "The correct answer is:\nC"], ["C"] * 2,
+                           question_type=["multi-choice"] * 2) == [1, 1]
+    assert vstar_score(["The answer is: B", "The correct answer is:\n(B) black"], ["B"] * 2) == [1, 1]
+
+
+def test_mathverse_golds_with_a_label_and_unit():
+    """MathVerse's judge counts a bare value right against "Area $=113.1 \\mathrm{~cm}^{2}$" (and the labelled form)."""
+    golds = ["Area $=113.1 \\mathrm{~cm}^{2}$", "Area $=113.1 \\mathrm{~cm}^{2}$", "Area $=113.1 \\mathrm{~cm}^{2}$",
+             "$r=7.00$", "$5=s$", "2191.7 metres", "Area $=9 \\pi \\mathrm{cm}^{2}$",
+             "\\frac{1225\\pi }{2} \\text { units }^2", "y=-2 x+5"]
+    answers = ["113.1", "Area = 113.1 cm^2", "113", "7", "5", "2191.7", "9\\pi", "\\frac{1225\\pi}{2}", "y=-2x+5"]
+    n = len(golds)
+    assert mathverse_score(answers, golds, question_type=["free-form"] * n) == [1, 1, 0, 1, 1, 1, 1, 1, 1]
+
+
+def test_letter_beside_capitalised_text():
+    """A marked letter names its option whatever follows it (V*, MathVerse option lines)."""
+    answers = ["(B) A white cup", "B. Since O is the center", "(B) because (A) is too small", "B: The red one"]
+    n = len(answers)
+    assert vstar_score(answers, ["B"] * n) == [1] * n
+    assert mathverse_score(answers, ["B"] * n, question_type=["multi-choice"] * n) == [1] * n
+    assert choice_letter("(A) or (B)", 4) is None and choice_letter("A white cup", 4) is None
+
+
+def test_markdown_and_a_letter_that_ends_the_answer():
+    """lmms-eval's V* reader takes "**B**" and "I think it's B" as B; "A or B" still names no one option."""
+    answers = ["**B**", "I think it's B", "I think it's B.", "A or B", "**(B)** black"]
+    assert vstar_score(answers, ["B"] * 5) == [1, 1, 1, 0, 1]
+    assert mathverse_score(answers[:2], ["B"] * 2, question_type=["multi-choice"] * 2) == [1, 1]
+
+
+def test_mathverse_multiple_choice_golds_that_are_not_one_letter():
+    """Golds "False" (an option's text), "090^\\circ T" and "C\\nD" (two answers) are scored, never None."""
+    from vlmrl.eval.benchmarks.mathverse import options_in
+
+    bearing = options_in("Find the true bearing.\nChoice:\nA. 090^\\circ T\nB. 180^\\circ T\nC. 049^\\circ T")
+    true_false = options_in("True or false: the side is opposite.\nChoice:\nA. True\nB. False")
+    assert bearing == ["090^\\circ T", "180^\\circ T", "049^\\circ T"] and true_false == ["True", "False"]
+    answers = ["A", "B", "B", "False", "A", "C, D", "C and D", "C"]
+    golds = ["090^\\circ T", "090^\\circ T", "False", "False", "False", "C\nD", "C\nD", "C\nD"]
+    options = [bearing, bearing, true_false, true_false, true_false, [], [], []]
+    n = len(answers)
+    assert mathverse_score(answers, golds, question_type=["multi-choice"] * n,
+                           mathverse_options=options) == [1, 0, 1, 1, 0, 1, 1, 0]
+
+
+def test_refcoco_box_past_the_image_edge_scores_by_its_iou():
+    """VLM-R1 neither clips nor refuses a box past the edge: its IoU decides (here 0.97 with a 100 px image)."""
+    gold = "[0, 0, 97, 50]"
+    answers = ["<answer>[0, 0, 100, 50]</answer>", "<answer>[-3, 0, 97, 50]</answer>",
+               "<answer>[0, 0, 400, 50]</answer>"]
+    assert refcoco_score(answers, [gold] * 3, width=[97] * 3, height=[50] * 3) == [1, 1, 0]
+
+
+def test_geometry3k_counts_a_boxed_answer_inside_think():
+    """EasyR1's mathruler `extract_boxed_content` is `rfind("\\boxed{")` over the whole response, think included."""
+    answers = ["<think>so x = \\boxed{3\\sqrt{2}}</think> done", "<think>\\boxed{4}</think> \\boxed{3\\sqrt{2}}",
+               "<think>\\boxed{3\\sqrt{2}}</think> \\boxed{4}"]
+    assert geometry3k_score(answers, ["3\\sqrt{2}"] * 3) == [1, 1, 0]

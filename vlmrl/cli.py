@@ -242,6 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "(docs/benchmarks.md)")
     e.add_argument("--max-new-tokens", type=int, default=0,
                    help="with --benchmark: the generation budget (default: the benchmark's protocol)")
+    e.add_argument("--extract", choices=["rules", "judge"], default="rules",
+                   help="with --benchmark: read answers by vlmrl's offline rules (default) or by the benchmark's "
+                        "published judge prompts (mathvista, mathverse) on --judge-url")
+    e.add_argument("--judge-url", help="with --extract judge: an OpenAI-compatible endpoint, e.g. "
+                                       "http://127.0.0.1:8000/v1")
+    e.add_argument("--judge-model", help="with --extract judge: the model the endpoint serves")
+    e.add_argument("--judge-key-env", help="with --extract judge: the environment variable holding the API key")
     e.add_argument("--split", default="test", choices=["train", "test", "ood"], help="split of a built-in task")
     e.add_argument("--n", type=int, default=0, help="number of samples of a built-in task")
     e.add_argument("--temperatures", type=float, nargs="+",

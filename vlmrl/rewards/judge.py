@@ -228,11 +228,13 @@ class JudgeClient:
         self.last_error = result.error
         return result.feedback
 
-    def judge_many(self, requests: list[list[dict]], deadline: float | None = None) -> list[JudgeResult]:
+    def judge_many(self, requests: list[list[dict]], deadline: float | None = None,
+                   raw: bool = False) -> list[JudgeResult]:
         """One JudgeResult per list of messages, `concurrency` requests in flight. `deadline` (a `time.monotonic()`
         value) bounds the whole batch: what is not judged by then is a failed result. FatalRewardError
-        (JudgeAuthError, JudgeRefusedError) propagates."""
-        futures = [self._pool.submit(self._judge_one, msgs, deadline) for msgs in requests]
+        (JudgeAuthError, JudgeRefusedError) propagates. raw=True: the reply is not a verdict but text to read
+        (a benchmark's answer extraction): any non-empty reply succeeds, its text in `feedback.raw`."""
+        futures = [self._pool.submit(self._judge_one, msgs, deadline, raw) for msgs in requests]
         if deadline is not None:  # attempts stop at the deadline; the grace covers a reply being read
             wait_futures(futures, timeout=max(0.0, deadline - time.monotonic()) + 2.0)
         results = []
@@ -247,13 +249,18 @@ class JudgeClient:
             self._count(OUTCOMES[result.outcome])
         return results
 
-    def _judge_one(self, messages: list[dict], deadline: float | None = None) -> JudgeResult:
+    def _parse(self, text: str, raw: bool) -> Feedback:
+        if not raw:
+            return parse_feedback(text, self.max_reasons)
+        return Feedback(None, 1.0 if text.strip() else None, raw=text, error=None if text.strip() else "empty reply")
+
+    def _judge_one(self, messages: list[dict], deadline: float | None = None, raw: bool = False) -> JudgeResult:
         if self._fatal is not None:
             raise type(self._fatal)(str(self._fatal))
         key = JudgeCache.key(self.model, messages, self.settings)
         cached = self.cache.get(key)
         if cached is not None:
-            return JudgeResult(parse_feedback(cached, self.max_reasons), cached=True, outcome="cached")
+            return JudgeResult(self._parse(cached, raw), cached=True, outcome="cached")
         if deadline is not None and time.monotonic() >= deadline:
             return JudgeResult(None, f"judge {self.url}: not judged before the batch deadline", outcome="deadline")
         wait = self._open_until - time.monotonic()
@@ -275,11 +282,11 @@ class JudgeClient:
             self._circuit(failed=True)
             return JudgeResult(None, f"judge {self.url}: {type(exc).__name__}: {exc}", outcome="http_failure")
         self._circuit(failed=False)
-        return self._verdict(key, reply)
+        return self._verdict(key, reply, raw)
 
-    def _verdict(self, key: str, reply: Reply) -> JudgeResult:
+    def _verdict(self, key: str, reply: Reply, raw: bool = False) -> JudgeResult:
         """The result of a reply: a verdict (cached), or a reply without one, saying why."""
-        feedback = parse_feedback(reply.content or "", self.max_reasons)
+        feedback = self._parse(reply.content or "", raw)
         if feedback.score is not None:
             self.cache.put(key, self.model, reply.content or "")
             return JudgeResult(feedback, attempts=reply.attempts)

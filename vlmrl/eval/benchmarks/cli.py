@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vlmrl.eval.benchmarks.run import load_benchmark, parse_benchmark, run_benchmark
+from vlmrl.errors import ConfigError
+from vlmrl.eval.benchmarks.run import load_benchmark, parse_benchmark, run_benchmark, scorer_spec
 from vlmrl.eval.metrics import format_interval
 
 
@@ -23,6 +24,16 @@ def category_table(categories: dict[str, dict[str, dict]], label: str) -> str:
     return "\n".join(lines)
 
 
+def judge_options(args: Any) -> dict | None:
+    """The judge of `--extract judge` (None for the offline rules), refused without --judge-url and --judge-model."""
+    if getattr(args, "extract", "rules") != "judge":
+        return None
+    if not args.judge_url or not args.judge_model:
+        raise ConfigError("--extract judge needs --judge-url (an OpenAI-compatible endpoint, e.g. "
+                          "http://127.0.0.1:8000/v1) and --judge-model (the model it serves)")
+    return {"base_url": args.judge_url, "model": args.judge_model, "api_key_env": args.judge_key_env or None}
+
+
 def eval_benchmark(args: Any, cfg: Any, model: Any) -> int:
     """Load the benchmark's data (refused before the model loads when it is missing), evaluate at each temperature,
     print the tables, write --out and --samples-out."""
@@ -32,10 +43,15 @@ def eval_benchmark(args: Any, cfg: Any, model: Any) -> int:
     from vlmrl.progress import BarProgress
 
     benchmark, split = parse_benchmark(args.benchmark)
+    judge = judge_options(args)
+    if judge is not None:
+        scorer_spec(benchmark, judge)  # a benchmark without a published judge step is refused before any loading
     samples, report = load_benchmark(benchmark, args.data, split, args.n or None, cfg.data.on_error)
     if report.skipped:
         print(f"{report.path}: skipped {report.skipped} bad rows", file=sys.stderr)
     print(f"{benchmark.name}: {len(samples)} samples from {report.path}; protocol: {benchmark.source}")
+    if judge is not None:
+        print(f"answers read by the published judge-based extraction on {judge['model']} at {judge['base_url']}")
     if benchmark.notes:
         print(f"vlmrl differs from it: {benchmark.notes} (docs/benchmarks.md)")
     policy = load_policy(model, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels,
@@ -49,7 +65,7 @@ def eval_benchmark(args: Any, cfg: Any, model: Any) -> int:
         res = run_benchmark(policy, benchmark, samples, temperature=temperature, n=args.samples,
                             ks=args.k or cfg.eval.pass_k, max_new_tokens=budget, batch_size=cfg.eval.batch_size,
                             seed=cfg.trainer.seed, max_prompt_length=None, agent=agent,  # no cap: the protocol's prompt
-                            progress=progress.advance)
+                            progress=progress.advance, judge=judge)
         progress.end()
         label = f"T={temperature}"
         full[label] = res

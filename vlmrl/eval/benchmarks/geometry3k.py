@@ -4,8 +4,9 @@ Source: Lu et al., "Inter-GPS", ACL 2021 (arXiv:2105.04165), as hiyouga/geometry
 `problem`, `answer`; the card also lists `id`, `choices`, `ground_truth`; splits train/validation/test of 2,101 /
 300 / 601 rows); protocol: EasyR1 (github.com/hiyouga/EasyR1), examples/format_prompt/math.jinja (math_format.jinja
 in v0.3.0: the prompt suffix below) and examples/reward_function/math.py (score_function/math.py in v0.3.0: the
-answer is the last `\\boxed{}`, graded by mathruler's `grade_answer`; the response first loses the whitespace around
-`<`, `>` and `/`). vlmrl grades the boxed answer with the `accuracy` reward's
+answer is the last `\\boxed{}` anywhere in the response, a `<think>` block included (mathruler's
+`extract_boxed_content` is an `rfind`), graded by mathruler's `grade_answer`; the response first loses the whitespace
+around `<`, `>` and `/`). vlmrl grades the boxed answer with the `accuracy` reward's
 math check (normalised text, numbers, then math-verify), not mathruler; the `<image>` marker in `problem` is
 removed (vlmrl's processor places the image before the text, as EasyR1's chat template does for one image).
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 from vlmrl.data.files import RowError
 from vlmrl.eval.benchmarks.registry import Benchmark, register_benchmark
-from vlmrl.rewards.parsing import completion_text
+from vlmrl.rewards.parsing import completion_text, extract_boxed
 from vlmrl.rewards.verifiable import accuracy_reward
 
 EASYR1_MATH_SUFFIX = (" You FIRST think about the reasoning process as an internal monologue and then provide the final "
@@ -33,9 +34,12 @@ def geometry3k_row(row: dict) -> dict:
 
 
 def geometry3k_score(completions: list, solution: list, **_: Any) -> list[float | None]:
-    """EasyR1's accuracy: the last `\\boxed{}` graded against the answer (math-verify in place of mathruler)."""
+    """EasyR1's accuracy: the last `\\boxed{}` of the whole response, inside `<think>` too, graded against the answer
+    (math-verify in place of mathruler)."""
     texts = [re.sub(r"\s*(<|>|/)\s*", r"\1", completion_text(c)) for c in completions]  # as EasyR1's compute_score
-    return accuracy_reward(texts, list(solution), answer_type=["math"] * len(texts), extract="boxed", strict=False)
+    boxed = [extract_boxed(t) for t in texts]  # mathruler's extract_boxed_content: text.rfind(r"\boxed{")
+    return accuracy_reward([f"<answer>{b}</answer>" if b is not None else "" for b in boxed], list(solution),
+                           answer_type=["math"] * len(texts), strict=False)
 
 
 def easyr1_format(completions: list, **_: Any) -> list[float | None]:

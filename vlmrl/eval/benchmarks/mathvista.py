@@ -23,7 +23,7 @@ import re
 from typing import Any
 
 from vlmrl.data.files import RowError
-from vlmrl.eval.benchmarks.extract import final_answer, levenshtein
+from vlmrl.eval.benchmarks.extract import choice_letter, final_answer, levenshtein
 from vlmrl.eval.benchmarks.registry import Benchmark, register_benchmark
 from vlmrl.rewards.columns import per_sample
 from vlmrl.rewards.parsing import completion_text, to_ascii_digits
@@ -47,8 +47,10 @@ def adapt(row: dict) -> dict:
             **{f"mathvista_{key}" if key == "task" else key: metadata.get(key) for key in METADATA}}
 
 
-def extract(response: str, question_type: str, answer_type: str, choices: list[str]) -> str:
-    """extract_answer.py's answer of `response` (its rules, then vlmrl's rules where it asks GPT-4)."""
+def extract(response: str, question_type: str, answer_type: str, choices: list[str],
+            rules_only: bool = False) -> str | None:
+    """extract_answer.py's answer of `response` (its rules, then vlmrl's rules where it asks GPT-4). rules_only:
+    None where it would ask GPT-4 (before its optional quick rule, off by default there), for `judged`."""
     if response == "":
         return ""
     if question_type == "multi_choice" and response in choices:
@@ -63,6 +65,8 @@ def extract(response: str, question_type: str, answer_type: str, choices: list[s
             return str(float(response))
         except ValueError:
             pass
+    if rules_only:
+        return None
     quick = re.search(r'The answer is "(.*)"\.', response)
     if quick:
         return quick.group(1)
@@ -70,7 +74,20 @@ def extract(response: str, question_type: str, answer_type: str, choices: list[s
     if question_type == "free_form" and answer_type in ("integer", "float"):
         numbers = _NUMBER.findall(to_ascii_digits(answer))
         return numbers[-1].replace(",", "") if numbers else answer
+    if answer_type == "list" and not answer.startswith("["):  # "between 2007 and 2008" -> "[2007, 2008]", as GPT-4
+        numbers = [n.replace(",", "") for n in _NUMBER.findall(to_ascii_digits(answer))]
+        return f"[{', '.join(numbers)}]" if len(numbers) > 1 else answer
+    if question_type == "multi_choice" and answer not in choices:
+        return choice_letter(answer, len(choices)) or leading_option(answer, choices) or answer
     return answer
+
+
+def leading_option(answer: str, choices: list[str]) -> str | None:
+    """The longest option whose text begins the answer as a word ("No, Indian Red has the lowest value." -> "No"),
+    as GPT-4's extraction reads such a response; None when none does."""
+    lowered = answer.casefold()
+    starts = [c for c in choices if c and re.match(re.escape(c.casefold()) + r"(?![\w])", lowered)]
+    return max(starts, key=len) if starts else None
 
 
 def normalize(extraction: str, choices: list[str], question_type: str, answer_type: str,

@@ -16,8 +16,10 @@ from the `<answer>` block only (no block, no box: the sample is wrong), right wh
 not in its repository); the wording used below, "Please provide the bounding box coordinate of the region this
 sentence describes: {expression}.", is that field as copies derived from those files show it (the VLM-R1 paper
 prints "coordinates"), not confirmed from the files themselves. Where vlmrl departs: VLM-R1's regex takes only a
-JSON object holding four integers; here any first box in the block counts (floats, a bare list, Qwen's box
-tokens), and IoU is the continuous one (VLM-R1 counts pixels inclusively, which differs by at most a pixel row).
+JSON object holding four integers, and its greedy pattern takes the last of several; here any box in the block
+counts (floats, a bare list, Qwen's box tokens), the last of several as there, and IoU is the continuous one (VLM-R1
+counts pixels inclusively, which differs by at most a pixel row). As in VLM-R1, a box is not clipped nor refused for
+reaching past the image: its IoU decides (a box 3 px past the edge of a 100 px object still has IoU ~0.97).
 VLM-R1 reports a random 2,000 expressions (seed 42) of its own val files; vlmrl scores the whole split. As in the
 standard REC tables, every referring expression is one sample (a row with three expressions makes three samples);
 lmms-lab's testA/testB, RefCOCO+ val and RefCOCOg test rows match the published object counts, but its RefCOCO val
@@ -42,7 +44,7 @@ from vlmrl.data.sample import format_box
 from vlmrl.eval.benchmarks.registry import Benchmark, register_benchmark
 from vlmrl.rewards.boxes import box_iou
 from vlmrl.rewards.columns import per_sample
-from vlmrl.rewards.parsing import box_is_valid, completion_text, parse_boxes
+from vlmrl.rewards.parsing import completion_text, parse_boxes
 
 PROMPT = ("Please provide the bounding box coordinate of the region this sentence describes: {expression}. First output "
           "the thinking process in <think> </think> tags and then output the final answer in <answer> </answer> tags. "
@@ -108,8 +110,9 @@ def input_size(policy: Any, width: int, height: int) -> tuple[int, int]:
 
 def predicted_box(text: str, width: float, height: float, convention: str, input_width: float | None = None,
                   input_height: float | None = None) -> tuple[float, float, float, float] | None:
-    """The first box of a response's first `<answer>` block in original-image pixels, by the model's convention;
-    None without a block or a box in it (VLM-R1's `extract_bbox_answer` reads that block only)."""
+    """The last box of a response's first `<answer>` block in original-image pixels, by the model's convention;
+    None without a block or a box in it (VLM-R1's `extract_bbox_answer` reads that block only, and its greedy
+    pattern takes the last box there)."""
     if convention not in CONVENTIONS:
         raise ValueError(f"box_convention={convention!r}: expected one of {CONVENTIONS}")
     block = _ANSWER_BLOCK.search(text)
@@ -119,7 +122,7 @@ def predicted_box(text: str, width: float, height: float, convention: str, input
     boxes = parse_boxes(region, coords="normalized")  # raw numbers; Qwen's box tokens as 0..1 fractions
     if not boxes:
         return None
-    x1, y1, x2, y2 = boxes[0]
+    x1, y1, x2, y2 = boxes[-1]
     if "<|box_start|>" in region or convention == "normalized":
         sx, sy = width, height
     elif convention == "grid1000":
@@ -134,8 +137,8 @@ def predicted_box(text: str, width: float, height: float, convention: str, input
 def score(completions: list, solution: list, *, width: list, height: list, box_convention: list | str = "pixels",
           input_width: list | None = None, input_height: list | None = None, threshold: float = 0.5,
           **_: Any) -> list[float | None]:
-    """1.0 when the first box of the answer block has IoU > `threshold` with the true box (VLM-R1's strict test),
-    else 0.0; None for a sample whose true box does not parse."""
+    """1.0 when the last box of the answer block has IoU > `threshold` with the true box (VLM-R1's strict test, on
+    the box as written: none is clipped to the image), else 0.0; None for a sample whose true box does not parse."""
     n = len(completions)
     conventions = per_sample(box_convention, n, "pixels")
     iws, ihs = per_sample(input_width, n, None), per_sample(input_height, n, None)
@@ -147,7 +150,7 @@ def score(completions: list, solution: list, *, width: list, height: list, box_c
             continue
         w, h = float(width[i]), float(height[i])
         box = predicted_box(completion_text(text), w, h, conventions[i], iws[i], ihs[i])
-        ok = box is not None and box_is_valid(box, w, h) and box_iou(box, truth[0]) > threshold
+        ok = box is not None and box[2] > box[0] and box[3] > box[1] and box_iou(box, truth[0]) > threshold
         out.append(float(ok))
     return out
 

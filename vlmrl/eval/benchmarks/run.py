@@ -14,6 +14,7 @@ from typing import Any
 
 from vlmrl.data.hub import load_hub
 from vlmrl.data.sample import LoadReport, Sample
+from vlmrl.errors import ConfigError
 from vlmrl.eval.benchmarks.registry import Benchmark, resolve_benchmark
 from vlmrl.eval.generative import Solved, evaluate, summarize
 from vlmrl.rewards.registry import RewardSpec, reward_ref
@@ -45,8 +46,17 @@ def load_benchmark(benchmark: Benchmark, data: str | None = None, split: str | N
     return samples, report
 
 
-def scorer_spec(benchmark: Benchmark) -> RewardSpec:
-    """The benchmark's scorer as a reward component keyed by the benchmark's name, run in this process."""
+def scorer_spec(benchmark: Benchmark, judge: dict | None = None) -> RewardSpec:
+    """The benchmark's scorer as a reward component keyed by the benchmark's name, run in this process; with `judge`
+    (base_url, model and any `judged.judged_score` option) its published judge-based scoring instead."""
+    if judge is not None:
+        from vlmrl.eval.benchmarks.judged import JUDGED, judged_score
+
+        if benchmark.name not in JUDGED:
+            raise ConfigError(f"benchmark {benchmark.name}: its protocol defines no judge-based extraction (those "
+                              f"that do: {', '.join(sorted(JUDGED))}); drop --extract judge")
+        return RewardSpec(reward_ref(judged_score), kwargs={**judge, "benchmark": benchmark.name},
+                          label=benchmark.name, isolate=False)
     ref = reward_ref(benchmark.score)
     if ref is None:
         raise ValueError(f"benchmark {benchmark.name}: its score function must be a module-level function")
@@ -74,11 +84,12 @@ def categories(records: Sequence[dict], samples: Sequence[Sample], columns: Sequ
 def run_benchmark(policy: Any, benchmark: Benchmark, samples: list[Sample], *, temperature: float = 0.0, n: int = 1,
                   ks: Sequence[int] = (), max_new_tokens: int | None = None, batch_size: int = 64, seed: int = 0,
                   max_prompt_length: int | None = None, agent: Any = None,
-                  progress: Callable[..., None] | None = None) -> dict:
-    """`evaluate` with the benchmark's prompt (each sample's `problem` as is) and scorer; adds `categories`."""
+                  progress: Callable[..., None] | None = None, judge: dict | None = None) -> dict:
+    """`evaluate` with the benchmark's prompt (each sample's `problem` as is) and scorer (with `judge`: its
+    published judge-based scoring, `scorer_spec`); adds `categories`."""
+    spec = scorer_spec(benchmark, judge)
     if benchmark.prepare is not None:
         benchmark.prepare(samples, policy)
-    spec = scorer_spec(benchmark)
     result = evaluate(policy, samples, temperature=temperature, n=n, ks=ks, batch_size=batch_size, seed=seed,
                       max_new_tokens=max_new_tokens or benchmark.max_new_tokens, template="{problem}",
                       max_prompt_length=max_prompt_length, rewards=[spec], solved=Solved(spec, 1.0), agent=agent,
