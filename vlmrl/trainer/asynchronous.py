@@ -30,7 +30,8 @@ every rank's share of each step into one `pending_rollouts.pt` (as rollout ranks
 on any number of processes gives each rank the share `shard` gives it of a freshly drawn step (`step_share`), while
 the prompt stream continues after them. What cannot continue exactly is refused before the run starts
 (`check_pending`): a pending step whose prompts do not split evenly over the new processes, or a checkpoint from
-before whole steps (one `pending_rollouts-rankN.pt` per rank) resumed on another number of processes.
+before whole steps with one `pending_rollouts-rankN.pt` per rank (several processes' shares) resumed on another
+number of processes.
 
 What staleness costs: the copy's memory (a second set of weights; none at S = 0), and a bias unless corrected. What
 it buys: generation overlaps training. On a 2-core CPU both compete for the same cores (BENCHMARKS.md).
@@ -98,16 +99,15 @@ def step_share(out: Produced, info: DistInfo, group_size: int) -> Produced:
 
 def check_pending(checkpoint: Path, world: int) -> None:
     """Refuse (ConfigError) to resume `checkpoint` on `world` processes where its pending steps cannot continue
-    exactly: a checkpoint from before whole steps (each rank saved only its share) on another number of processes,
-    or a step whose prompts do not split evenly over `world`. Reads only the file's index (its tensors are mapped,
-    not loaded)."""
+    exactly: a checkpoint of several processes from before whole steps (each rank saved only its share) on another
+    number of processes, or a step whose prompts do not split evenly over `world`. Reads only the file's index (its
+    tensors are mapped, not loaded)."""
     checkpoint = Path(checkpoint)
     path = pending_file(checkpoint, 0)
     if not path.exists():
         return
     saved = 1 + len(list(checkpoint.glob("pending_rollouts-rank*.pt")))
-    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-    if not state.get("whole_steps"):
+    if saved > 1:  # (one process's share of a step is the whole step)
         if saved != world:
             raise ConfigError(
                 f"{checkpoint}: its steps produced but not trained were saved as {saved} shares, one per process "
@@ -116,6 +116,7 @@ def check_pending(checkpoint: Path, world: int) -> None:
                 f"process(es) (torchrun --nproc_per_node={saved}); its next checkpoint holds whole steps, which "
                 "resume on any number of processes")
         return
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
     for step in sorted(state["samples"]):
         counts = {len(state["samples"][step])}
         if step in state["produced"]:
@@ -343,11 +344,12 @@ class AsyncRollouts:
             return False
         info = self.ctx.dist
         state = torch.load(path, map_location=device_map(info.device), weights_only=False)
-        if state.get("whole_steps"):  # (also a rollout-ranks run's: resumed here without rollout ranks)
+        if pending_file(checkpoint, 1).exists():  # saved before whole steps, one share per rank, on as many processes
+            if rank:
+                state = torch.load(pending_file(checkpoint, rank), weights_only=False)
+        else:  # whole steps (also a rollout-ranks run's, resumed here without rollout ranks, or one process's)
             g = self.ctx.rollout.group_size
             state["produced"] = {step: step_share(out, info, g) for step, out in state["produced"].items()}
-        elif rank:  # saved before whole steps, one share per rank, on as many processes as now
-            state = torch.load(pending_file(checkpoint, rank), weights_only=False)
         self.produced.update(state["produced"])
         self.samples.update(state["samples"])
         self.signal_share = state["signal_share"]
