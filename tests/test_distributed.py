@@ -302,7 +302,8 @@ def test_offline_dpo_under_torchrun_matches_one_process(tmp_path):
 def test_async_rollouts_under_torchrun_match_one_process(tmp_path):
     """Asynchronous rollouts (staleness 1): each rank's producer samples its shard with its own copy of the weights
     (under FSDP2 handed over from the gathered shards), so 2 ranks end where one process does; resumed under
-    torchrun from checkpoint-1 (its saved, not yet trained answers: one file per rank) they end there again."""
+    torchrun from checkpoint-1 (its saved, not yet trained answers: whole steps, in rank 0's file, shared again over
+    the ranks) they end there again."""
     extra = ("rollout.asynchronous=true", "rollout.max_staleness=1")
     one = run(tmp_path, "single", "none", 1, extra=extra)
     floor = run(tmp_path, "single-mb1", "none", 1, extra=(*extra, "trainer.micro_batch=1"))
@@ -310,7 +311,8 @@ def test_async_rollouts_under_torchrun_match_one_process(tmp_path):
     assert max((one[k] - sync[k]).abs().max().item() for k in one) > 1e-4  # stale answers: another run
     two = run(tmp_path, "fsdp2", "fsdp2", 2, extra=extra)
     assert_matches(one, two, floor)
-    assert (tmp_path / "fsdp2" / "checkpoint-1" / "pending_rollouts-rank1.pt").exists()
+    assert not (tmp_path / "fsdp2" / "checkpoint-1" / "pending_rollouts-rank1.pt").exists()
+    assert torch.load(tmp_path / "fsdp2" / "checkpoint-1" / "pending_rollouts.pt", weights_only=False)["whole_steps"]
     assert_resumes(tmp_path, "fsdp2", "fsdp2", two, extra=extra)
 
 

@@ -24,8 +24,14 @@ are dropped, counted in `async/dropped_steps`, and sampled again from the curren
 stops the run with its error; one that has given nothing for `rollout.producer_timeout` seconds stops it with an
 error naming the step, instead of hanging.
 
-Checkpoints save the produced-but-not-trained steps (`pending_rollouts*.pt`, per rank), so a resumed run trains on
-exactly the answers the uninterrupted run would have; a checkpoint first waits for the step being generated.
+Checkpoints save the produced-but-not-trained steps, so a resumed run trains on exactly the answers the uninterrupted
+run would have; a checkpoint first waits for the step being generated. They are saved as whole steps: rank 0 gathers
+every rank's share of each step into one `pending_rollouts.pt` (as rollout ranks' runs save theirs), and a run resumed
+on any number of processes gives each rank the share `shard` gives it of a freshly drawn step (`step_share`), while
+the prompt stream continues after them. What cannot continue exactly is refused before the run starts
+(`check_pending`): a pending step whose prompts do not split evenly over the new processes, or a checkpoint from
+before whole steps with one `pending_rollouts-rankN.pt` per rank (several processes' shares) resumed on another
+number of processes.
 
 What staleness costs: the copy's memory (a second set of weights; none at S = 0), and a bias unless corrected. What
 it buys: generation overlaps training. On a 2-core CPU both compete for the same cores (BENCHMARKS.md).
@@ -34,6 +40,8 @@ it buys: generation overlaps training. On a 2-core CPU both compete for the same
 from __future__ import annotations
 
 import dataclasses
+import io
+import pickle
 import queue
 import threading
 import time
@@ -41,19 +49,93 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from vlmrl.deadlines import THREAD_EXIT_S
-from vlmrl.errors import TrainingError
+from vlmrl.errors import ConfigError, TrainingError
 from vlmrl.models.policy import Policy
-from vlmrl.trainer.distributed import TrainingForward, full_parameters, gathered
-from vlmrl.trainer.rl import Produced, generate_step, produce, score_step
+from vlmrl.trainer.distributed import DistInfo, TrainingForward, full_parameters, gathered, shard
+from vlmrl.trainer.rl import Produced, concat_batches, generate_step, keep_groups, produce, score_step
 from vlmrl.trainer.types import StepContext
 
 PENDING_FILE = "pending_rollouts.pt"
 
 
 def pending_file(checkpoint: Path, rank: int) -> Path:
+    """Where a checkpoint keeps the steps produced but not trained: `pending_rollouts.pt` (whole steps); checkpoints
+    from before whole steps also hold one `pending_rollouts-rankN.pt` per rank N > 0 (rank 0's share in the first)."""
     return Path(checkpoint) / (PENDING_FILE if rank == 0 else f"pending_rollouts-rank{rank}.pt")
+
+
+def whole_step(shares: list[Produced], pad_token_id: int) -> Produced:
+    """One step's shares, in rank order, joined into the whole step: its prompts in the order they were drawn."""
+    if len(shares) == 1:
+        return shares[0]
+    batch = concat_batches([s.batch for s in shares], pad_token_id)
+    first = batch if all(s.first is s.batch for s in shares) else \
+        concat_batches([s.first for s in shares], pad_token_id)
+    return Produced(batch, first, sum(s.vision_calls for s in shares), max(s.seconds for s in shares),
+                    shares[0].version)
+
+
+def step_share(out: Produced, info: DistInfo, group_size: int) -> Produced:
+    """This rank's share of a whole step: the contiguous prompts (and their G answers each) that `shard` gives it,
+    as when a step is drawn on these ranks and each generates its own share. E.g. 6 prompts on 3 ranks: rank 1 takes
+    prompts 2 and 3, answer rows 2G..4G-1. The step's vision-tower calls are split evenly (the metric is a mean over
+    the ranks)."""
+    if not info.active:
+        return out
+
+    def mine(batch):
+        n = len(batch.samples)
+        start, stop = shard(n, info)
+        keep = torch.zeros(n, dtype=torch.bool)
+        keep[start:stop] = True
+        return keep_groups(batch, keep, group_size)
+
+    batch = mine(out.batch)
+    first = batch if out.first is out.batch else mine(out.first)
+    return Produced(batch, first, out.vision_calls / info.world, out.seconds, out.version)
+
+
+def check_pending(checkpoint: Path, world: int) -> None:
+    """Refuse (ConfigError) to resume `checkpoint` on `world` processes where its pending steps cannot continue
+    exactly: a checkpoint of several processes from before whole steps (each rank saved only its share) on another
+    number of processes, or a step whose prompts do not split evenly over `world`. Reads only the file's index (its
+    tensors are mapped, not loaded)."""
+    checkpoint = Path(checkpoint)
+    path = pending_file(checkpoint, 0)
+    if not path.exists():
+        return
+    saved = 1 + len(list(checkpoint.glob("pending_rollouts-rank*.pt")))
+    if saved > 1:  # (one process's share of a step is the whole step)
+        if saved != world:
+            raise ConfigError(
+                f"{checkpoint}: its steps produced but not trained were saved as {saved} shares, one per process "
+                f"(pending_rollouts*.pt, from before checkpoints held whole steps), and this run has {world} "
+                f"process(es), so some of their prompts would be lost or drawn again: resume it on {saved} "
+                f"process(es) (torchrun --nproc_per_node={saved}); its next checkpoint holds whole steps, which "
+                "resume on any number of processes")
+        return
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    for step in sorted(state["samples"]):
+        counts = {len(state["samples"][step])}
+        if step in state["produced"]:
+            out = state["produced"][step]
+            counts |= {len(out.batch.samples), len(out.first.samples)}
+        if any(n % world for n in counts):
+            n = next(c for c in sorted(counts) if c % world)
+            fits = ", ".join(str(k) for k in range(1, n + 1) if n % k == 0)
+            raise ConfigError(f"{checkpoint}: step {step}, produced but not trained, has {n} prompts, which do not "
+                              f"split evenly over {world} processes (each trains an equal share of a step): resume "
+                              f"it on a number of processes that divides {n} ({fits})")
+
+
+def device_map(device: str) -> dict[str, str] | None:
+    """`torch.load`'s map_location for tensors another rank saved from its GPU: onto this rank's `device` (CPU
+    tensors stay on the CPU)."""
+    gpus = torch.cuda.device_count() if str(device).startswith("cuda") else 0
+    return {f"cuda:{i}": str(device) for i in range(gpus)} if gpus else None
 
 
 class AsyncRollouts:
@@ -236,18 +318,39 @@ class AsyncRollouts:
 
     # -- checkpoints -------------------------------------------------------------------------------------------------
     def save(self, checkpoint: Path, rank: int) -> None:
-        """The produced-but-not-trained steps, after the one being generated (and scored) is done."""
+        """The produced-but-not-trained steps, after the one being generated (and scored) is done: every rank sends
+        its shares to rank 0, which saves the whole steps (module docstring). Every rank must call it."""
         self._wait(lambda: self._busy is None and not self._scoring)
-        torch.save({"next_request": self.next_request, "produced": dict(self.produced),
-                    "samples": dict(self.samples), "signal_share": self.signal_share},
-                   pending_file(checkpoint, rank))
+        info = self.ctx.dist
+        shares = [dict(self.produced)]
+        if info.active:  # pickled by torch.save, so that a GPU tensor keeps its device, mapped to rank 0's on load
+            buffer = io.BytesIO()
+            torch.save(shares[0], buffer, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+            every = [None] * info.world if info.is_main else None
+            dist.gather_object(buffer.getvalue(), every, dst=0, group=info.group)
+            if not info.is_main:
+                return
+            shares = [torch.load(io.BytesIO(b), map_location=device_map(info.device), weights_only=False)
+                      for b in every]
+        pad = self.ctx.policy.pad_token_id
+        produced = {step: whole_step([s[step] for s in shares], pad) for step in shares[0]}
+        torch.save({"next_request": self.next_request, "produced": produced, "samples": dict(self.samples),
+                    "signal_share": self.signal_share, "whole_steps": True}, pending_file(checkpoint, 0))
 
     def load(self, checkpoint: Path, rank: int) -> bool:
-        """Steps a checkpoint saved as produced (False: it saved none, e.g. a synchronous run's)."""
-        path = pending_file(checkpoint, rank)
+        """Steps a checkpoint saved as produced, this rank's share of each (False: it saved none, e.g. a synchronous
+        run's). `check_pending` has refused what cannot continue exactly on these processes."""
+        path = pending_file(checkpoint, 0)
         if not path.exists():
             return False
-        state = torch.load(path, weights_only=False)
+        info = self.ctx.dist
+        state = torch.load(path, map_location=device_map(info.device), weights_only=False)
+        if pending_file(checkpoint, 1).exists():  # saved before whole steps, one share per rank, on as many processes
+            if rank:
+                state = torch.load(pending_file(checkpoint, rank), weights_only=False)
+        else:  # whole steps (also a rollout-ranks run's, resumed here without rollout ranks, or one process's)
+            g = self.ctx.rollout.group_size
+            state["produced"] = {step: step_share(out, info, g) for step, out in state["produced"].items()}
         self.produced.update(state["produced"])
         self.samples.update(state["samples"])
         self.signal_share = state["signal_share"]

@@ -98,7 +98,7 @@ class RLJob:
             save_sharded_optimizer(ctx.forward, ctx.optimizer, staging / "sharded", dist_info.group)
         if not dist_info.is_main:
             save_rank_rng(staging, dist_info.rank, ctx.generator)
-        if self.rollouts is not None:  # the steps produced but not yet trained (each rank its shard)
+        if self.rollouts is not None:  # the steps produced but not yet trained (whole steps, from every rank)
             self.rollouts.save(staging, dist_info.rank)
         barrier(dist_info)
         if dist_info.is_main:

@@ -34,6 +34,7 @@ from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.coverage import check_coverage
 from vlmrl.rewards.registry import check_specs
 from vlmrl.rewards.specs import budget_warnings, reward_specs
+from vlmrl.trainer.asynchronous import check_pending
 from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
 from vlmrl.trainer.curriculum import difficulties
 from vlmrl.trainer.distributed import NullLogger, barrier, broadcast_object, gathered, init_distributed
@@ -227,6 +228,8 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
     resume_state = load_state(point.checkpoint) if point else None
     notes = [*point.notes, *check_resume(cfg, point, resume_state, dist_info.mode == "fsdp2" and dist_info.active)] \
         if point else []
+    if point and cfg.rollout.asynchronous:  # its pending steps continue exactly on these processes, or it is refused
+        check_pending(point.checkpoint, dist_info.world)
 
     data = load_datasets(cfg)
     check_specs(rewards, {k for split in (data.train, data.eval) for s in split[:1] for k in s})  # kwargs vs columns
