@@ -12,14 +12,21 @@ own SFT start, `vlmrl.trainer.control.run_baselines`) for a fixed number of SFT 
 divided by its own mean SFT step time, so the control gets the compute RL had whatever else shares the machine while
 the controls train (they may run in parallel, `--jobs`).
 
-Prints a markdown table for BENCHMARKS.md and writes the raw numbers to benchmarks/results/<--results>.
+Prints a markdown table for BENCHMARKS.md and writes the raw numbers to benchmarks/results/<--results>, each run with
+the table its `vlmrl train` printed, the machine and the code. `--readme` also writes the first run (the first seed at
+the first thread count) to benchmarks/results/quickstart_readme.json: the table README.md quotes, which
+tests/test_readme_table.py holds the README to.
+
+    python benchmarks/quickstart_seeds.py --seeds 0 --threads 2 --readme     # the README's run, again
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -28,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+README_RUN = ROOT / "benchmarks/results/quickstart_readme.json"
 CONTROL = """
 import sys
 from vlmrl.config import load_config
@@ -42,11 +50,37 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def timed_run(cmd: list[str], what: str):
-    """Run `cmd` (a `vlmrl train`) in its own process from the repository root: (wall seconds, its rusage)."""
+def machine() -> str:
+    """'2-core Intel(R) Xeon(R) ...': the cores and the CPU's model name, as README.md names the machine."""
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [line.split(":", 1)[1].strip() for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+             if line.startswith("model name")]
+    return f"{os.cpu_count()}-core {names[0] if names else platform.processor() or platform.machine()}"
+
+
+def code() -> str:
+    """The commit the runs ran, with '+changes' when the working tree differed from it."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain", "--", "vlmrl") else "")
+
+
+def printed_table(stdout: str) -> str:
+    """The held-out table out of what `vlmrl train` printed: from its `held-out` header to its `(accuracy on ...)`
+    line."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("held-out"))
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("(accuracy on"))
+    return "\n".join(lines[start:end + 1])
+
+
+def timed_run(cmd: list[str], what: str, stdout: Path):
+    """Run `cmd` (a `vlmrl train`) in its own process from the repository root, its console output to `stdout`:
+    (wall seconds, its rusage)."""
+    stdout.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
+    with open(stdout, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.DEVNULL)
+        _, status, usage = os.wait4(proc.pid, 0)
     wall = time.perf_counter() - t0
     if status != 0:
         raise RuntimeError(f"{what}: vlmrl train failed ({status}); rerun {' '.join(cmd)}")
@@ -58,17 +92,21 @@ def run_one(seed: int, threads: int, overrides: list[str], out_root: Path) -> di
     out = out_root / f"seed{seed}-threads{threads}"
     cmd = [sys.executable, "-m", "vlmrl", "train", f"trainer.seed={seed}", f"trainer.threads={threads}",
            f"trainer.output_dir={out}", *overrides]
-    wall, usage = timed_run(cmd, f"seed {seed}, {threads} thread(s)")
+    console = out_root / f"seed{seed}-threads{threads}.stdout"
+    wall, usage = timed_run(cmd, f"seed {seed}, {threads} thread(s)", console)
     rows = metrics(out)
     evals = [r for r in rows if r["phase"] == "eval"]
     sft = [r["time/update"] for r in rows if r["phase"] == "sft" and "time/update" in r]
     rl = sum(r["time/collect_score"] + r["time/update"] for r in rows if r["phase"] == "train")
     print(f"seed {seed}, {threads} thread(s): {100 * evals[0]['greedy/accuracy']:.1f} -> "
           f"{100 * evals[-1]['greedy/accuracy']:.1f} in {wall:.0f} s", flush=True)
-    return {"seed": seed, "threads": threads, "run_dir": str(out), "wall_seconds": wall,
+    return {"seed": seed, "threads": threads, "command": f"vlmrl train trainer.seed={seed} trainer.threads={threads}"
+            + "".join(f" {o}" for o in overrides), "machine": machine(), "code": code(),
+            "date": datetime.date.today().isoformat(), "run_dir": str(out), "wall_seconds": wall,
             "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_mb": usage.ru_maxrss / 1024,
             "rl_seconds": rl, "sft_step_seconds": statistics.mean(sft) if sft else None,
-            "start": evals[0], "final": evals[-1], "curve": [(r["step"], r["greedy/accuracy"]) for r in evals]}
+            "start": evals[0], "final": evals[-1], "curve": [(r["step"], r["greedy/accuracy"]) for r in evals],
+            "printed": printed_table(console.read_text())}
 
 
 def add_control(result: dict) -> dict:
@@ -135,6 +173,9 @@ def main() -> None:
     p.add_argument("--jobs", type=int, default=1, help="runs at once (each then gets a share of the cores)")
     p.add_argument("--results", default="quickstart_seeds.json", help="file name under benchmarks/results/")
     p.add_argument("--tables-only", action="store_true", help="print the table of the saved results")
+    p.add_argument("--readme", nargs="?", const=str(README_RUN), metavar="FILE",
+                   help="also write the first run, with the table its vlmrl train printed, as the run README.md "
+                        "quotes (default benchmarks/results/quickstart_readme.json; update README.md to match)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     saved = ROOT / "benchmarks/results" / args.results
@@ -149,6 +190,10 @@ def main() -> None:
     print(table(results))
     saved.parent.mkdir(parents=True, exist_ok=True)
     saved.write_text(json.dumps(results, indent=1))
+    if args.readme:
+        first = {k: v for k, v in results[0].items() if k not in ("run_dir", "curve")}
+        Path(args.readme).write_text(json.dumps(first, indent=1) + "\n")
+        print(f"\nthe README's run: {args.readme}; README.md quotes its table:\n{first['printed']}")
 
 
 if __name__ == "__main__":

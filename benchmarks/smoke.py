@@ -1,8 +1,8 @@
 """The smallest mode of the benchmarks that train (`--smoke`): recipe overrides that make any `vlmrl train` of the
 quickstart's kind take seconds, not minutes: a very small embedded model, a few prompts and held-out scenes, two SFT
 steps and a batch of 2 prompts x 2 answers. Every stage still runs, so tests/test_benchmarks.py can run each script
-as its users do and a benchmark that no longer runs against the current code fails a test (issue 43 item 8). The
-numbers a smoke run prints mean nothing."""
+as its users do and a benchmark that no longer runs against the current code fails a test. The numbers a smoke run
+prints mean nothing."""
 
 from __future__ import annotations
 

@@ -128,7 +128,8 @@ SLOW = {  # the sweeps and servers, 10-35 s each on a 2-core CPU: run with -m sl
     "agentic_zoom.py": (["--seeds", "0", "--jobs", "1", "--out", "OUT/runs", "--results", "OUT/agentic_zoom.json",
                          *SMOKE, "trainer.steps=2", "trainer.eval_every=0"], "| no tool |"),
     "quickstart_seeds.py": (["--seeds", "0", "--threads", "1", "--control", "--out", "OUT/runs", "--results",
-                             "OUT/seeds.json", *SMOKE, "trainer.steps=2", "trainer.eval_every=0"], "mean ± std"),
+                             "OUT/seeds.json", "--readme", "OUT/readme.json", *SMOKE, "trainer.steps=2",
+                             "trainer.eval_every=0"], "README.md quotes its table"),
     "quickstart_control_ood.py": (["--seeds", "1", "--out", "OUT/runs", "--results", "OUT/ood.json", *SMOKE,
                                    "trainer.steps=2", "trainer.eval_every=0", "eval.ood={ood_count: {task: "
                                    "shapes_count, n: 8}, ood_size: {task: shapes_count, n: 8, size: [112, 140], "

@@ -227,7 +227,7 @@ def test_eval_of_a_missing_folder_is_not_a_hub_lookup(tmp_path, monkeypatch, cap
 
 
 def test_eval_of_a_run_directory_uses_its_latest_complete_checkpoint(tmp_path, monkeypatch, capsys):
-    from vlmrl.preflight import resolve_model
+    from vlmrl.models.preflight import resolve_model
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "runs" / "quickstart"

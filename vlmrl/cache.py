@@ -1,9 +1,9 @@
 """`BoundedLRU`: one small cache that bounds itself by bytes and by entries, for every cache in vlmrl.
 
 Caches here hold things a process sees again (a prompt's token ids, an image's tensors). Bounding one by entry count
-alone lets a few huge entries exhaust memory: a server's tokenizer cache once held 556 MB after 8 refused requests
-(issue 43). So every entry is weighed by the caller's `size` function and the cache evicts least recently used
-entries until both bounds hold; an entry heavier than the whole byte budget is not kept at all. A lock makes it safe to
+alone lets a few huge entries exhaust memory: a server's tokenizer cache once held 556 MB after 8 refused requests.
+So every entry is weighed by the caller's `size` function and the cache evicts least recently used entries until both
+bounds hold; an entry heavier than the whole byte budget is not kept at all. A lock makes it safe to
 share between the server's thread pool and its generation thread. `hits`, `misses` and `evictions` say whether a
 cache earns its memory (`stats`).
 

@@ -73,7 +73,7 @@ def cmd_eval(args) -> int:
     from vlmrl.eval.generative import Solved, evaluate
     from vlmrl.eval.tables import eval_table
     from vlmrl.models import load_policy
-    from vlmrl.preflight import check_device, resolve_model
+    from vlmrl.models.preflight import check_device, resolve_model
     from vlmrl.rewards.specs import reward_specs
     from vlmrl.trainer.watch import truncation_warning
 

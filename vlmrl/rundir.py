@@ -2,7 +2,7 @@
 
 A checkpoint's save writes `checkpoint-N.partial/`, then the `COMPLETE` marker (each file's size) last, then renames
 the folder to `checkpoint-N` (`vlmrl.trainer.checkpoint` writes them). Reading that layout needs no model and no
-trainer, so it lives here, below everything that resolves a model reference (`vlmrl.preflight`).
+trainer, so it lives here, below everything that resolves a model reference (`vlmrl.models.preflight`).
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def cmd_export(args) -> int:
     from vlmrl.errors import ConfigError
     from vlmrl.models.policy import adapter_base
+    from vlmrl.models.preflight import resolve_model
     from vlmrl.models.trainable import merge_checkpoint
-    from vlmrl.preflight import resolve_model
 
     checkpoint = resolve_model(args.checkpoint, "vlmrl export")  # a run directory -> its latest complete checkpoint
     base = adapter_base(checkpoint)

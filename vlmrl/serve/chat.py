@@ -62,7 +62,7 @@ def load_chat_model(model_ref: str | Path, model_name: str | None = None, device
     """Load `model_ref` the way `vlmrl eval` does (module docstring); explicit arguments win over the recipe."""
     from vlmrl.config import load_config
     from vlmrl.models import load_policy
-    from vlmrl.preflight import check_device, resolve_model
+    from vlmrl.models.preflight import check_device, resolve_model
 
     ckpt = resolve_model(model_ref, "vlmrl serve MODEL")
     recipe = ckpt / "config.yaml" if isinstance(ckpt, Path) and (ckpt / "config.yaml").exists() else None

@@ -26,9 +26,9 @@ from vlmrl.eval.regressions import fallen_tasks, fallen_warning, task_accuracies
 from vlmrl.eval.samples import EVAL_SAMPLES, write_samples
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.policy import Policy
+from vlmrl.models.preflight import check_device, resolve_model
 from vlmrl.models.trainable import configure_training, start_lora
 from vlmrl.optim import adamw
-from vlmrl.preflight import check_device, resolve_model
 from vlmrl.progress import Progress  # re-exported: `from vlmrl.trainer.run import Progress` keeps working
 from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.coverage import check_coverage

@@ -37,7 +37,7 @@ class VLFamily:
 
     def __init__(self, model):
         self.model = unwrap_peft(model)
-        self.vision_calls = 0  # images run through the vision tower (one pass per prompt image, issue 8)
+        self.vision_calls = 0  # images run through the vision tower (one pass per prompt image)
         self.vision_cache = VisionFeatureCache()  # a frozen tower's features per image (model.vision_cache_mb)
         # forwards on CUDA run under bf16 autocast (model.autocast: false turns it off); CPU runs in the weights' dtype
         self.autocast_dtype: torch.dtype | None = torch.bfloat16
