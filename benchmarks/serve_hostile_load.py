@@ -1,4 +1,4 @@
-"""`vlmrl serve` under hostile clients (issue 43): a running server takes a bounded mix of valid requests and abuse,
+"""`vlmrl serve` under hostile clients: a running server takes a bounded mix of valid requests and abuse,
 refuses what it must, never fails with a 5xx other than 503, keeps its memory bounded, and still answers correctly.
 
     python benchmarks/serve_hostile_load.py [--requests 2000] [--concurrency 16] [--max-seconds 300] [--out F.json]

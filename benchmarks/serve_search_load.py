@@ -1,4 +1,4 @@
-"""Text embedding and search under load: `vlmrl serve STUDENT --index INDEX` on loopback (issue 13).
+"""Text embedding and search under load: `vlmrl serve STUDENT --index INDEX` on loopback.
 
 The embedded student with frozen towers and its two heads trained for `--steps` InfoNCE steps on the cached tower
 outputs of `--train` built-in scenes (so that search finds something), saved as a student folder; an index of

@@ -10,7 +10,7 @@ training-side phase (its wait is the rollout-rank deadline, not the group's time
 checkpoint, and the asynchronous split learns what the synchronous run learns (held-out accuracy within the 95%
 interval). The rollout rank's longest silence is measured from outside, as the longest gap between two training
 steps in metrics.jsonl (the first gap: from launch, through SFT and the start evaluation). Both arms start at once
-on the same machine, at 1 thread per process. Prints a markdown table; writes benchmarks/results/soak_rollout_ranks.json.
+on the same machine, at 1 thread per process. Prints a markdown table; writes benchmarks/results/soak_rollout_ranks.json (--results).
 """
 
 from __future__ import annotations
@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--group-timeout", type=float, default=20.0, help="seconds; torch's default is 30 minutes")
     ap.add_argument("--out", default="runs/soak")
+    ap.add_argument("--results", default=str(ROOT / "benchmarks/results/soak_rollout_ranks.json"))
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args()
     overrides = [f"trainer.steps={a.steps}", f"trainer.eval_every={a.eval_every}", "trainer.save_every=100"]
@@ -118,9 +119,7 @@ def main() -> None:
                      f"{r['longest_gap']:.0f} s ({r['first_gap']:.0f} s) | {100 * r['start']:.1f}% | "
                      f"{100 * r['accuracy']:.1f}%{ci} | {', '.join(map(str, r['checkpoints']))} |")
     print("\n".join(lines))
-    (ROOT / "benchmarks/results").mkdir(exist_ok=True)
-    (ROOT / "benchmarks/results/soak_rollout_ranks.json").write_text(
-        json.dumps({"args": vars(a), "results": results}, indent=1))
+    Path(a.results).write_text(json.dumps({"args": vars(a), "results": results}, indent=1))
     raise SystemExit(0 if all(r["exit"] == 0 for r in results.values()) else 1)
 
 

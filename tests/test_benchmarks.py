@@ -43,14 +43,19 @@ def test_serve_hostile_load_smoke(tiny_model_dir, tmp_path):
     assert report["alone"] == {"valid": 200, "valid_stream": 200, "long_text": 400, "long_prompt": 400,
                                "oversized_image": 400, "oversized_body": 413, "corrupt_image": 400, "bad_json": 400,
                                "wrong_keys": 400, "disconnect_body": "closed", "disconnect_wait": "closed",
-                               "disconnect_stream": "closed"}  # each reached the check that must refuse it
+                               "disconnect_stream": "closed", "pixel_bomb": 200, "json_flood": 400, "deep_json": 400,
+                               "huge_stop": 400, "forged_turn": 200, "lone_surrogate": 400, "wide_image": 400,
+                               "disguised_image": 400, "slow_headers": "closed", "slow_body": 408,
+                               "idle_connection": "closed"}  # each reached the check that must refuse it
     outcomes = report["outcomes"]
     assert all(sum(c.values()) for c in outcomes.values()), outcomes  # every kind was sent
     assert not [s for c in outcomes.values() for s in c if s.isdigit() and int(s) >= 500 and s != "503"]
     assert outcomes["bad_json"] == {"400": outcomes["bad_json"]["400"]}
     assert sum(c.get("503", 0) for c in outcomes.values()) > 0 and outcomes["disconnect_body"].get("closed")
     assert report["before"] == report["after"] and report["before"][0] == 200
-    assert report["rss_mib"]["peak"] < 2048
+    assert report["rss_mib"]["peak"] < min(1536, report["rss_mib"]["bound"])  # the bound its flags give
+    slow = report["slow_clients"]
+    assert slow["status"] == 200 and slow["seconds"] < 30 and report["sigterm_seconds"] < 10
 
 
 def load_script(name: str):
@@ -124,6 +129,7 @@ SMALLEST = {  # script: (its smallest arguments, what its output must show); STA
     "profile_rl_step.py": (["START", "--steps", "1", "--out", "OUT/run", *SMOKE], "**whole step**"),
 }
 SLOW = {  # the sweeps and servers, 10-35 s each on a 2-core CPU: run with -m slow
+    "soak_rollout_ranks.py": (["--smoke", "--out", "OUT/soak", "--results", "OUT/soak.json"], "| run | exit |"),
     "algorithms.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/algorithms.json"], "| dpo_offline |"),
     "agentic_zoom.py": (["--seeds", "0", "--jobs", "1", "--out", "OUT/runs", "--results", "OUT/agentic_zoom.json",
                          *SMOKE, "trainer.steps=2", "trainer.eval_every=0"], "| no tool |"),
