@@ -142,9 +142,9 @@ def test_classes_file_names_the_folders_and_layout_errors_say_what_to_fix(tmp_pa
 # images I0 red -> x, I1 green -> y, I2 blue -> z; I3 does not decode, I4 is missing (both skipped with 3 captions)
 RET_IMAGES = {(255, 0, 0): [1.0, 0.0, 0.0], (0, 255, 0): [0.0, 1.0, 0.0], (0, 0, 255): [0.0, 0.0, 1.0]}
 RET_TEXTS = {"a red square": [1.0, 0.0, 0.0], "a reddish green thing": [0.6, 0.8, 0.0],  # I0's
-             "a green square": [0.0, 0.6, 0.8], "a dull blob": [0.48, 0.36, 0.8],  # I1's
+             "a dull blob": [0.48, 0.36, 0.8], "a green square": [0.0, 0.6, 0.8],  # I1's
              "a blue square": [0.0, 0.0, 1.0]}  # I2's
-ROWS = [("red.png", ["a red square", "a reddish green thing"]), ("green.png", ["a green square", "a dull blob"]),
+ROWS = [("red.png", ["a red square", "a reddish green thing"]), ("green.png", ["a dull blob", "a green square"]),
         ("blue.png", ["a blue square"]), ("broken.jpg", ["x", "y"]), ("gone.png", ["z"])]
 
 
@@ -160,11 +160,11 @@ def caption_folder(root):
 
 def test_retrieval_recalls_both_ways_worked_by_hand(tmp_path):
     # t2i (rank = images strictly more similar than the caption's own image):
-    #   red square 0; reddish green: I0 .6 < I1 .8 -> 1; green square: I1 .6 < I2 .8 -> 1; dull blob: I1 .36 < I0 .48,
-    #   I2 .8 -> 2; blue square 0                                     => R@1 2/5, R@2 4/5, R@3 5/5 (over 5 captions)
+    #   red square 0; reddish green: I0 .6 < I1 .8 -> 1; dull blob: I1 .36 < I0 .48, I2 .8 -> 2; green square:
+    #   I1 .6 < I2 .8 -> 1; blue square 0                             => R@1 2/5, R@2 4/5, R@3 5/5 (over 5 captions)
     # i2t (rank = captions strictly more similar than the image's best own caption):
-    #   I0: red square 1.0 -> 0; I1: best own .6 (green square) < reddish green .8 -> 1; I2: blue square 1.0 -> 0
-    #                                                                 => R@1 2/3, R@2 3/3 (over 3 images)
+    #   I0: red square 1.0 -> 0; I1: best own .6 (green square, its second) < reddish green .8 -> 1 (by its first,
+    #   dull blob .36, it would be 2); I2: blue square 1.0 -> 0        => R@1 2/3, R@2 3/3 (over 3 images)
     student = TableStudent(RET_IMAGES, RET_TEXTS)
     res = caption_retrieval(student, read_caption_file(caption_folder(tmp_path)), ks=(1, 2, 3), batch_size=2)
     assert (res["images"], res["captions"], res["skipped_images"], res["skipped_captions"]) == (3, 5, 2, 3)
