@@ -73,7 +73,7 @@ def _zeroshot_table(res: dict) -> str:
     from vlmrl.eval.metrics import format_interval
 
     head = (f"zero-shot classification: {res['data']} ({res['classes']} classes, {len(res['templates'])} templates, "
-            f"{res['n']} images; {res['skipped_images']} could not be loaded)")
+            f"{res['n']} images; skipped: {res['skipped_images']} that did not load)")
     lines = [head] + [f"  top-{k:<4}{format_interval(res[f'top{k}'], res[f'top{k}_ci_low'], res[f'top{k}_ci_high'])}"
                       for k in (1, 5) if f"top{k}" in res]
     lines.append(f"  mean per-class top-1: {100 * res['per_class_mean_top1']:.1f}%")
@@ -92,8 +92,8 @@ def _retrieval_table(res: dict) -> str:
 
     ks = [int(key.split("@")[1]) for key in res if key.startswith("i2t/R@") and not key.endswith(("_low", "_high"))]
     head = (f"image-text retrieval: {res['data']} split {res['split']} ({res['images']} images, {res['captions']} "
-            f"captions; {res['skipped_images']} images could not be loaded, {res['skipped_captions']} of their "
-            "captions left out)")
+            f"captions; skipped: {res['skipped_images']} image(s) that did not load, with {res['skipped_captions']} "
+            "caption(s))")
     lines = [head, "  " + "".join(f"{f'R@{k}':>22}" for k in ks)]
     for way in ("i2t", "t2i"):
         cells = "".join(f"{format_interval(*(res[f'{way}/R@{k}{x}'] for x in ('', '_ci_low', '_ci_high'))):>22}"
