@@ -16,6 +16,16 @@ Examples:
   vlmrl reclip train recipes/reclip_shapes.yaml rl.method=infonce   # the continued-InfoNCE baseline
 Every key: `vlmrl reclip train --show-config`; docs/reclip.md explains them."""
 
+EVAL_HELP = """Evaluate STUDENT (RUN_DIR/student, any saved student, or a CLIP/SigLIP folder) on its run's held-out
+data (RUN_DIR/config.yaml) or on --data; or, with --zeroshot and/or --captions, on your own files:
+
+  vlmrl reclip eval runs/reclip/student --zeroshot data/pets/val --templates templates.txt --out zs.json
+  vlmrl reclip eval runs/reclip/student --captions dataset_flickr30k.json --image-root flickr30k-images --out r.json
+
+--zeroshot: top-1/top-5 accuracy with 95% intervals and per-class accuracy; --captions: R@1/5/10 both ways with 95%
+intervals (several captions per image). Images that cannot be loaded are skipped and counted. File layouts:
+docs/reclip.md ("Evaluating on your own files")."""
+
 METRICS = ("t2i/R@1", "t2i/R@5", "t2i/R@10", "i2t/R@1", "i2t/R@5", "i2t/R@10", "t2i/semantic_R@1", "comp/acc",
            "comp/relation", "comp/binding", "comp/color", "comp/shape", "comp/count", "comp/all", "zeroshot/colour",
            "zeroshot/shape", "zeroshot/count", "zeroshot/mean")
@@ -59,7 +69,71 @@ def cmd_train(args) -> int:
     return 0
 
 
+def _zeroshot_table(res: dict) -> str:
+    from vlmrl.eval.metrics import format_interval
+
+    head = (f"zero-shot classification: {res['data']} ({res['classes']} classes, {len(res['templates'])} templates, "
+            f"{res['n']} images; skipped: {res['skipped_images']} that did not load)")
+    lines = [head] + [f"  top-{k:<4}{format_interval(res[f'top{k}'], res[f'top{k}_ci_low'], res[f'top{k}_ci_high'])}"
+                      for k in (1, 5) if f"top{k}" in res]
+    lines.append(f"  mean per-class top-1: {100 * res['per_class_mean_top1']:.1f}%")
+    if len(res["per_class"]) <= 30:
+        lines.append(f"  {'class':<24}{'n':>6}{'top-1':>9}")
+        for name, row in res["per_class"].items():
+            cell = "-" if row["top1"] is None else f"{100 * row['top1']:.1f}%"
+            lines.append(f"  {name[:24]:<24}{row['n']:>6}{cell:>9}")
+    else:
+        lines.append("  (per-class accuracy: in --out)")
+    return "\n".join(lines)
+
+
+def _retrieval_table(res: dict) -> str:
+    from vlmrl.eval.metrics import format_interval
+
+    ks = [int(key.split("@")[1]) for key in res if key.startswith("i2t/R@") and not key.endswith(("_low", "_high"))]
+    head = (f"image-text retrieval: {res['data']} split {res['split']} ({res['images']} images, {res['captions']} "
+            f"captions; skipped: {res['skipped_images']} image(s) that did not load, with {res['skipped_captions']} "
+            "caption(s))")
+    lines = [head, "  " + "".join(f"{f'R@{k}':>22}" for k in ks)]
+    for way in ("i2t", "t2i"):
+        cells = "".join(f"{format_interval(*(res[f'{way}/R@{k}{x}'] for x in ('', '_ci_low', '_ci_high'))):>22}"
+                        for k in ks)
+        lines.append(f"  {way}{cells}")
+    return "\n".join(lines)
+
+
+def _eval_files(args, cfg) -> int:
+    """`vlmrl reclip eval STUDENT --zeroshot FOLDER / --captions FILE`: the evaluations on the user's own files. Both
+    are read (and a layout error reported) before the student loads."""
+    from vlmrl.reclip import retrieval, zeroshot
+    from vlmrl.reclip.students import load_student
+
+    folder = captions = None
+    if args.zeroshot:
+        folder = zeroshot.image_folder(args.zeroshot, zeroshot.read_classes(args.classes) if args.classes else None)
+        templates = zeroshot.read_templates(args.templates) if args.templates else zeroshot.DEFAULT_TEMPLATES
+    if args.captions:
+        captions = retrieval.read_caption_file(args.captions, args.image_root, args.caption_split)
+    student = load_student(args.student)
+    results: dict = {}
+    if folder is not None:
+        print(f"zero-shot: {len(folder.paths)} images, {len(folder.names)} classes x {len(templates)} templates",
+              file=sys.stderr)
+        res = zeroshot.zero_shot_classification(student, folder, templates, cfg.eval.batch_size)
+        results["zeroshot"] = {"data": args.zeroshot, **res}
+        print(_zeroshot_table(results["zeroshot"]))
+    if captions is not None:
+        print(f"retrieval: {len(captions.paths)} images, {sum(map(len, captions.captions))} captions", file=sys.stderr)
+        res = retrieval.caption_retrieval(student, captions, cfg.eval.ks, cfg.eval.batch_size)
+        results["retrieval"] = {"data": args.captions, "split": args.caption_split, **res}
+        print(_retrieval_table(results["retrieval"]))
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
 def cmd_eval(args) -> int:
+    from vlmrl.errors import ConfigError
     from vlmrl.reclip.config import load_reclip_config
     from vlmrl.reclip.data import build_items, zero_shot_sets
     from vlmrl.reclip.evaluate import evaluate_student
@@ -68,6 +142,14 @@ def cmd_eval(args) -> int:
     folder = Path(args.student)
     recipe = folder.parent / "config.yaml" if (folder.parent / "config.yaml").exists() else None
     cfg = load_reclip_config(recipe, args.overrides)
+    for flag, needs in (("classes", "zeroshot"), ("templates", "zeroshot"), ("image_root", "captions")):
+        if getattr(args, flag) and not getattr(args, needs):
+            raise ConfigError(f"--{flag.replace('_', '-')} goes with --{needs}")
+    if args.zeroshot or args.captions:
+        if args.data:
+            raise ConfigError("--data (held-out captioned items) and --zeroshot / --captions are separate "
+                              "evaluations; run them one at a time")
+        return _eval_files(args, cfg)
     spec = cfg.data.eval
     if args.data:
         spec = {"path": args.data} if Path(args.data).exists() else {"task": args.data, "n": args.n or 300}
@@ -107,14 +189,24 @@ def add_parser(subparsers) -> None:
     t.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     t.set_defaults(func=cmd_train)
     e = sub.add_parser("eval", help="retrieval R@k, compositional and zero-shot accuracy of a saved student",
-                       description="Evaluate STUDENT (RUN_DIR/student, any saved student, or a CLIP/SigLIP folder) on "
-                                   "its run's held-out data (RUN_DIR/config.yaml) or on --data.")
+                       description=EVAL_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     e.add_argument("student")
     e.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted config overrides (e.g. data.eval.n=100)")
     e.add_argument("--data", help="reclip_scenes, or an image-caption JSONL/parquet file")
     e.add_argument("--split", default="test", choices=["train", "test", "ood"], help="split of the built-in scenes")
     e.add_argument("--n", type=int, default=0, help="number of built-in scenes")
     e.add_argument("--out", help="also write the metrics as JSON here")
+    e.add_argument("--zeroshot", metavar="FOLDER", help="zero-shot classification of FOLDER/<class>/<images>")
+    e.add_argument("--classes", metavar="FILE", help="with --zeroshot: YAML/JSON mapping class folder -> class name "
+                                                     "(default: the folder name, '_' read as a space)")
+    e.add_argument("--templates", metavar="FILE", help="with --zeroshot: prompt templates, one per line with {} "
+                                                       "for the class name (default: 7 CLIP photo templates)")
+    e.add_argument("--captions", metavar="FILE", help="image-text retrieval on a Karpathy split JSON "
+                                                      "(dataset_coco.json) or a JSONL of {image, captions}")
+    e.add_argument("--image-root", help="with --captions: folder the image paths are relative to (default: the "
+                                        "caption file's folder)")
+    e.add_argument("--caption-split", default="test",
+                   help="with --captions: entries whose 'split' is this are kept (default test; 'all' keeps every one)")
     e.set_defaults(func=cmd_eval)
     x = sub.add_parser("export", help="write a student as a standalone folder with encode_text / encode_image")
     x.add_argument("student", help="RUN_DIR/student or any saved student")

@@ -9,15 +9,21 @@
   caption than to every one of their negatives.
 - `zeroshot/<set>`: classification by the closest class prompt (text embeddings of the templates, averaged and
   re-normalised, CLIP's prompt ensembling); `zeroshot/mean` over the sets.
+
+Image folders and caption files on disk (`zeroshot.py`, `retrieval.py`) are embedded here too, a batch at a time
+(`embed_image_files`, `embed_texts`), through the same `Encoder`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from vlmrl.data.images import DECODE_ERRORS, decode
+from vlmrl.eval.metrics import wilson_interval
 from vlmrl.reclip.data import ZeroShotSet
 from vlmrl.reclip.scenes import CaptionItem
 from vlmrl.reclip.store import InputStore
@@ -115,11 +121,66 @@ def compositional_accuracy(encoder: Encoder, items: Sequence[CaptionItem], image
     return out
 
 
+def class_text_embeddings(encoder: Encoder, phrases: Sequence[str], templates: Sequence[str]) -> torch.Tensor:
+    """[classes, d]: per class, the mean of its templates' L2-normalised text embeddings, re-normalised (CLIP's prompt
+    ensembling, as open_clip's zero-shot classifier builds it)."""
+    prompts = [t.format(phrase) for phrase in phrases for t in templates]
+    text = encoder.texts(prompts).view(len(phrases), len(templates), -1).mean(1)
+    return F.normalize(text, dim=-1)
+
+
 def zero_shot_accuracy(encoder: Encoder, zs: ZeroShotSet, templates: Sequence[str]) -> float:
     """Accuracy of argmax_c cos(image, mean_t text(template_t(class_c))) (renormalised) against the labels."""
-    prompts = [t.format(phrase) for phrase in zs.class_phrases for t in templates]
-    text = encoder.texts(prompts).view(len(zs.class_phrases), len(templates), -1).mean(1)
-    text = F.normalize(text, dim=-1)
+    text = class_text_embeddings(encoder, zs.class_phrases, templates)
     images = encoder.images()
     pred = (images @ text.T).argmax(1)
     return (pred == torch.tensor(zs.labels)).float().mean().item()
+
+
+# --- files on disk: embedded a batch at a time, through the same Encoder -----------------------------------------
+
+
+@dataclass
+class Skipped:
+    """An image that could not be loaded: its path and why."""
+
+    path: str
+    error: str
+
+
+def embed_image_files(student: TwoTower, paths: Sequence[str], batch_size: int = 128
+                      ) -> tuple[torch.Tensor, list[int], list[Skipped]]:
+    """Embeddings of the images at `paths` that load ([kept, d]), the indices of those (into `paths`), and the rest
+    with their errors. Images are decoded and embedded `batch_size` at a time through an `Encoder` each, so memory
+    holds one batch of images and inputs, never the whole set."""
+    chunks, kept, skipped = [], [], []
+    for start in range(0, len(paths), batch_size):
+        images = []
+        for i in range(start, min(len(paths), start + batch_size)):
+            try:
+                images.append(decode(str(paths[i])))
+            except DECODE_ERRORS as error:  # OSError covers a missing or unreadable file
+                skipped.append(Skipped(str(paths[i]), f"{type(error).__name__}: {error}"))
+                continue
+            kept.append(i)
+        if images:
+            chunks.append(Encoder(student, images, batch_size).images())
+    return (torch.cat(chunks) if chunks else torch.empty(0)), kept, skipped
+
+
+def embed_texts(student: TwoTower, texts: Sequence[str], batch_size: int = 128) -> torch.Tensor:
+    """[len(texts), d], `batch_size` texts at a time, each batch through a fresh `Encoder` (no cache kept)."""
+    return torch.cat([Encoder(student, [], batch_size).texts(list(texts[i:i + batch_size]))
+                      for i in range(0, len(texts), batch_size)])
+
+
+def rates_with_intervals(ranks: torch.Tensor, ks: Sequence[int], prefix: str) -> dict[str, float]:
+    """`{prefix}{k}` = the fraction of `ranks` (one per query: the items ranked above its target) below k, with its
+    95% Wilson interval as `{prefix}{k}_ci_low` / `_ci_high` (queries are the independent draws)."""
+    n = len(ranks)
+    out: dict[str, float] = {}
+    for k in ks:
+        hits = int((ranks < k).sum())
+        out[f"{prefix}{k}"] = hits / n
+        out[f"{prefix}{k}_ci_low"], out[f"{prefix}{k}_ci_high"] = wilson_interval(hits, n)
+    return out
