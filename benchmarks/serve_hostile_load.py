@@ -281,7 +281,9 @@ async def hostile(url: str, p: Payloads, requests: int, concurrency: int, max_se
     if host not in LOOPBACK:
         raise SystemExit(f"serve_hostile_load: {url} is not loopback; this benchmark only loads a server it starts")
     rng = random.Random(seed)
-    kinds = rng.choices(list(KINDS), weights=list(KINDS.values()), k=requests)
+    kinds = list(KINDS)[:requests] + rng.choices(list(KINDS), weights=list(KINDS.values()),  # each at least once
+                                                 k=max(0, requests - len(KINDS)))
+    rng.shuffle(kinds)
     outcomes: dict[str, Counter] = {k: Counter() for k in KINDS}
     alone: dict[str, object] = {}
     issued, deadline = 0, time.monotonic() + max_seconds

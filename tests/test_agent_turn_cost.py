@@ -113,8 +113,9 @@ def test_a_group_that_zooms_on_one_cell_processes_its_image_once(policy, count_s
     monkeypatch.setattr(TurnRenderer, "processed_images", lambda self, images: proc.processed_images(images))
     monkeypatch.setattr(TurnRenderer, "__init__", _forgetful_init(TurnRenderer.__init__))
     plain = run()
-    for field in ("completion_ids", "completion_mask", "logprobs", "truncated"):
+    for field in ("completion_ids", "completion_mask", "truncated"):
         assert torch.equal(getattr(cheap, field), getattr(plain, field)), field
+    torch.testing.assert_close(cheap.logprobs, plain.logprobs, rtol=0, atol=1e-5)
     assert torch.equal(cheap.context.input_ids, plain.context.input_ids)
     assert torch.equal(cheap.context.mm_token_type_ids, plain.context.mm_token_type_ids)
     assert cheap.context.vision.keys() == plain.context.vision.keys()
@@ -151,8 +152,9 @@ def test_length_buckets_pad_least():
 
 def test_tails_prefilled_in_buckets_give_the_same_trajectories(policy, count_samples, monkeypatch):
     """Observations of very different lengths (so a later turn's tails are cut into buckets), per-row budgets that
-    bind and trajectories that end at different turns: the rollout is the same, bit for bit (tokens, log-probs,
-    truncation, texts), as with every tail in one call."""
+    bind and trajectories that end at different turns: the rollout is the same as with every tail in one call:
+    tokens, truncation and texts exactly, log-probs to float rounding (bit for bit on an Intel Xeon; an AMD EPYC's
+    matrix-product kernels, picked by shape, round ~1e-6 differently)."""
     import vlmrl.models.prefill as prefill
     from vlmrl.agent.env import Observation
 
@@ -197,8 +199,9 @@ def test_tails_prefilled_in_buckets_give_the_same_trajectories(policy, count_sam
     assert any(calls), calls  # the later turns ran in buckets
     monkeypatch.setattr(prefill, "bucketed_tails", lambda *args, **kwargs: None)
     plain = run()
-    for field in ("completion_ids", "completion_mask", "logprobs", "truncated"):
+    for field in ("completion_ids", "completion_mask", "truncated"):
         assert torch.equal(getattr(cheap, field), getattr(plain, field)), field
+    torch.testing.assert_close(cheap.logprobs, plain.logprobs, rtol=0, atol=1e-5)
     assert cheap.texts == plain.texts
     turns = cheap.columns["num_turns"]
     assert len(set(turns)) > 1 and cheap.truncated.any() and not cheap.truncated.all(), (turns, cheap.truncated)

@@ -9,12 +9,14 @@ stacked into the one cache that decoding reads, in the layout the single call gi
 same width, each tail from the same column, zeros in the columns a shorter bucket did not fill (masked out; attention
 gives them weight exactly 0).
 
-Each row's keys, values and hidden states are what the single call computes for it, bit for bit: a row's matrix
-products do not depend on the rows beside it, and the columns a bucket leaves out are masked padding after the row's
-last token (tests/test_agent_turn_cost.py compares whole rollouts, and the rollouts of the zoom recipe were compared
-with the single call's). Only for caches of `ReservedLayer`s (generation's full-attention layers), without
-gradients and on the CPU, where that was checked; an accelerator's matrix-product libraries may pick kernels by
-shape, so other calls take the single call.
+Each row's keys, values and hidden states are what the single call computes for it, to float rounding: a row's
+matrix products do not depend on the rows beside it, and the columns a bucket leaves out are masked padding after
+the row's last token. On an Intel Xeon the whole rollouts were the same bit for bit; on an AMD EPYC the CPU's
+matrix-product kernels, picked by shape, rounded a log-prob differently by ~1e-6 (the same tokens): what
+tests/test_agent_turn_cost.py checks (tokens, truncation and texts exactly, log-probs within 1e-5; the rollouts
+of the zoom recipe were also compared with the single call's). Only for caches of `ReservedLayer`s (generation's
+full-attention layers), without gradients and on the CPU, where that was checked; an accelerator's matrix-product
+libraries may pick kernels by shape more freely, so other calls take the single call.
 """
 
 from __future__ import annotations
