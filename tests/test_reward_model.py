@@ -19,7 +19,7 @@ from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.reward_model import REWARD_MODEL_FILE, RewardModel
 from vlmrl.rewards import RewardSpec, compute_rewards
 from vlmrl.rewards.reward_model import bind_reward_models
-from vlmrl.trainer.rm import load_rm_config, train_reward_model
+from vlmrl.trainer.rm import load_pairs, load_rm_config, train_reward_model
 from vlmrl.trainer.rm_pairs import pairs_from_rollouts, split_by_prompt
 
 
@@ -67,6 +67,10 @@ def test_pairs_from_a_tiny_rollouts_file(tmp_path):
     assert len(pairs_from_rollouts(run, max_pairs_per_prompt=0)[0]) == 2 + 4  # 0 = every pair
     train, held = split_by_prompt(pairs, 0.5, seed=0)  # two prompts: one each side, never split within a prompt
     assert {p["group"] for p in train} ^ {p["group"] for p in held} == {"a", "d"}
+    (run / "config.yaml").write_text("data:\n  prompt_template: '{problem} Answer in tags.'\n")
+    pairs, template, notes = load_pairs(load_rm_config(None, [f"data.rollouts={run}", "data.max_pairs_per_prompt=3"]))
+    assert len(pairs) == 5 and template == "{problem} Answer in tags."  # the run's own template
+    assert "5 logged prompts, 2 with a right and a wrong answer" in notes[0]
 
 
 def _separable_pairs(tmp_path, n=48):

@@ -23,7 +23,7 @@ import torch
 
 from vlmrl.algorithms.losses import bradley_terry_loss
 from vlmrl.config import TinyModelConfig
-from vlmrl.configlib import Count, Fraction, Name, Positive, PositiveInt, Rule, load, section
+from vlmrl.configlib import Count, Fraction, Name, NonNegative, Positive, PositiveInt, Rule, load, section
 from vlmrl.configlib import validate as _validate
 from vlmrl.data import build_dataset, vocabulary_texts
 from vlmrl.errors import DataError
@@ -72,7 +72,7 @@ class RMTrainerConfig:
     steps: PositiveInt = 200  # optimizer steps
     batch_size: PositiveInt = 16  # pairs per step (and per scoring chunk when evaluating)
     lr: Positive = 1.0e-4
-    weight_decay: float = 0.0
+    weight_decay: NonNegative = 0.0
     max_grad_norm: Positive = 1.0
     eval_every: Count = 50  # steps between held-out evaluations (and one at the end); 0 = at the end only
     seed: Count = 0
