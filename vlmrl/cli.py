@@ -294,6 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_inspect_reward(sub)
     from vlmrl.models.cli import add_parser as add_export
     add_export(sub)
+    from vlmrl.trainer.cli import add_parser as add_rm
+    add_rm(sub)
     from vlmrl.reclip.cli import add_parser as add_reclip
     add_reclip(sub)
     from vlmrl.serve.cli import add_parser as add_serve

@@ -192,12 +192,18 @@ class RewardConfig:
     fn: Name | None = None  # another spelling of `name` ({fn: "my_rewards.py:score", weight: 0.5})
     timeout: Positive | None = None  # seconds per call when the reward runs in a worker process (default 60)
     isolate: bool | None = None  # run in a worker process: true/false; null = user rewards yes, built-ins no
+    path: str | None = None  # a learned reward's model ({name: reward_model, path: RUN}): another spelling of kwargs.path
 
     def __post_init__(self):
         if self.fn is not None:
             if self.name not in ("accuracy", self.fn):
                 raise ConfigError(f"reward: name {self.name!r} and fn {self.fn!r} disagree; give one of them")
             self.name = self.fn
+        if self.path is not None:
+            if self.kwargs.get("path", self.path) != self.path:
+                raise ConfigError(f"reward {self.name!r}: path {self.path!r} and kwargs.path {self.kwargs['path']!r} "
+                                  "disagree; give one of them")
+            self.kwargs = {**self.kwargs, "path": self.path}
 
 
 @section

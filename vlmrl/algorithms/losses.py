@@ -200,6 +200,16 @@ def dpo_loss(policy_chosen: Tensor, policy_rejected: Tensor, ref_chosen: Tensor,
     return loss, margin.detach()
 
 
+def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> tuple[Tensor, Tensor]:
+    """Bradley-Terry on a reward model's scalar scores [B] of preference pairs: P(chosen > rejected) =
+    sigmoid(r_c - r_r), L = -log sigmoid(r_c - r_r), whose gradient is dL/dr_c = -(1 - sigmoid(r_c - r_r)) =
+    -dL/dr_r.
+
+    Returns (loss per pair [B], margin r_c - r_r per pair, detached: > 0 where the pair is ranked right)."""
+    margin = chosen - rejected
+    return -F.logsigmoid(margin), margin.detach()
+
+
 def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token-mean", max_tokens: int | None = None,
               batch_tokens: Tensor | float | None = None, batch_sequences: int | None = None) -> Tensor:
     """Reduce a per-token loss [N, T] to a scalar.

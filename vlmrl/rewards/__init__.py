@@ -2,7 +2,8 @@
 
 Importing this package registers the built-in rewards: accuracy, format, counting, length (verifiable.py); iou, giou,
 detection (boxes.py); classification (classification.py); exact_match, token_f1, bleu, rouge_l (textmatch.py);
-keywords, process (reasoning.py); judge (judge.py); tool_use (tool_use.py).
+keywords, process (reasoning.py); judge (judge.py); tool_use (tool_use.py); reward_model (reward_model.py: a
+learned outcome reward model).
 """
 
 from vlmrl.rewards.boxes import box_giou, box_iou, detection_reward, giou_reward, iou_reward
@@ -23,6 +24,7 @@ from vlmrl.rewards.registry import (
     register_reward,
     resolve_reward,
 )
+from vlmrl.rewards.reward_model import reward_model_reward
 from vlmrl.rewards.textmatch import bleu_reward, exact_match_reward, rouge_l_reward, token_f1_reward
 from vlmrl.rewards.tool_use import tool_use_reward
 from vlmrl.rewards.verifiable import (
@@ -61,6 +63,7 @@ __all__ = [
     "length_penalty",
     "parse_feedback",
     "process_reward",
+    "reward_model_reward",
     "register_reward",
     "resolve_reward",
     "rouge_l_reward",

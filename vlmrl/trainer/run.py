@@ -33,6 +33,7 @@ from vlmrl.progress import Progress  # re-exported: `from vlmrl.trainer.run impo
 from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.coverage import check_coverage
 from vlmrl.rewards.registry import check_specs
+from vlmrl.rewards.reward_model import bind_reward_models
 from vlmrl.rewards.specs import budget_warnings, reward_specs
 from vlmrl.trainer.asynchronous import check_pending
 from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
@@ -268,6 +269,7 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
         if resume_state is None:
             policy = build_policy(cfg, run_dir, dist_info, data)
             check_data_fits(policy, cfg, data)  # every label and prompt fits its budget, before any training step
+            bind_reward_models(rewards, policy)  # a learned reward: on this device, its tokenizer the policy's
     except VlmrlError:
         if fresh:
             logger.close()
@@ -285,6 +287,7 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
         policy = configure_training(load_policy(point.checkpoint, m.dtype, dist_info.device, m.min_pixels,
                                                 m.max_pixels, m.autocast), m)
         check_data_fits(policy, cfg, data)
+        bind_reward_models(rewards, policy)
         summary["start"] = resume_state.get("start_eval", {})
     job = prepare_rl(cfg, policy, run_dir, data, rewards, generator, dist_info, summary["start"],
                      point.checkpoint if point else None, resume_state)

@@ -1,0 +1,211 @@
+"""Outcome reward models (issue 55 item 1): the Bradley-Terry loss, pairs from a run's rollouts, `vlmrl rm train` on a
+separable preference set, the `reward_model` reward in a `vlmrl train` run, and its refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from tests.conftest import TEST_MODEL
+from vlmrl.algorithms.losses import bradley_terry_loss
+from vlmrl.data import make_task, vocabulary_texts
+from vlmrl.errors import ConfigError
+from vlmrl.models import build_tiny_vlm, load_policy
+from vlmrl.models.reward_model import REWARD_MODEL_FILE, RewardModel
+from vlmrl.rewards import RewardSpec, compute_rewards
+from vlmrl.rewards.reward_model import bind_reward_models
+from vlmrl.trainer.rm import load_pairs, load_rm_config, train_reward_model
+from vlmrl.trainer.rm_pairs import pairs_from_rollouts, split_by_prompt
+
+
+def test_bradley_terry_loss_and_gradient_by_hand():
+    # pair 1: r_c = r_r = 1 -> margin 0, P = 1/2, L = ln 2, dL/dr_c = -(1 - 1/2) = -1/2, dL/dr_r = +1/2
+    # pair 2: r_c = ln 3, r_r = 0 -> P = sigmoid(ln 3) = 3/4, L = ln(4/3), dL/dr_c = -(1 - 3/4) = -1/4, dL/dr_r = +1/4
+    chosen = torch.tensor([1.0, math.log(3)], requires_grad=True)
+    rejected = torch.tensor([1.0, 0.0], requires_grad=True)
+    loss, margin = bradley_terry_loss(chosen, rejected)
+    assert loss.tolist() == pytest.approx([math.log(2), math.log(4 / 3)], abs=1e-6)
+    assert margin.tolist() == pytest.approx([0.0, math.log(3)], abs=1e-6) and not margin.requires_grad
+    loss.mean().backward()  # the mean over two pairs halves each gradient
+    assert chosen.grad.tolist() == pytest.approx([-0.25, -0.125], abs=1e-6)
+    assert rejected.grad.tolist() == pytest.approx([0.25, 0.125], abs=1e-6)
+
+
+def _write_rollouts(run, entries):
+    (run / "gallery").mkdir(parents=True)
+    Image.new("RGB", (56, 56), "red").save(run / "gallery" / "step1-a.png")
+    (run / "rollouts.jsonl").write_text("".join(json.dumps(e) + "\n" for e in entries))
+
+
+def test_pairs_from_a_tiny_rollouts_file(tmp_path):
+    run = tmp_path / "run"
+    _write_rollouts(run, [
+        # distinct answers: right {r1}, wrong {w1, w2} (r1 appears twice) -> 1 x 2 = 2 pairs
+        {"step": 1, "id": "a", "problem": "How many?", "solution": "3", "image": "gallery/step1-a.png",
+         "answers": ["r1", "w1", "r1", "w2"], "correct": [True, False, True, False]},
+        {"step": 1, "id": "b", "problem": "q", "solution": "1", "answers": ["x", "y"], "correct": [True, True]},
+        {"step": 2, "id": "c", "problem": "q", "solution": "1", "answers": ["x", "y"], "correct": [False, False]},
+        # 2 right x 2 wrong = 4 pairs, capped at 3 below
+        {"step": 2, "id": "d", "problem": "p", "solution": "2", "answers": ["r1", "r2", "w1", "w2"],
+         "correct": [True, True, False, False]},
+        {"step": 3, "id": "e", "problem": "p", "answers": ["r1"]},  # no verdicts
+    ])
+    pairs, report = pairs_from_rollouts(run, max_pairs_per_prompt=3, seed=0)
+    assert (report.entries, report.with_pairs, report.all_right, report.all_wrong, report.no_verdicts) == \
+        (5, 2, 1, 1, 1)
+    a = [p for p in pairs if p["group"] == "a"]
+    assert sorted((p["chosen"], p["rejected"]) for p in a) == [("r1", "w1"), ("r1", "w2")]
+    assert a[0]["problem"] == "How many?" and a[0]["images"][0].size == (56, 56)
+    d = [p for p in pairs if p["group"] == "d"]
+    assert len(d) == 3 and all(p["chosen"] in ("r1", "r2") and p["rejected"] in ("w1", "w2") for p in d)
+    assert len({(p["chosen"], p["rejected"]) for p in d}) == 3 and not d[0]["images"]
+    assert len(pairs_from_rollouts(run, max_pairs_per_prompt=0)[0]) == 2 + 4  # 0 = every pair
+    train, held = split_by_prompt(pairs, 0.5, seed=0)  # two prompts: one each side, never split within a prompt
+    assert {p["group"] for p in train} ^ {p["group"] for p in held} == {"a", "d"}
+    (run / "config.yaml").write_text("data:\n  prompt_template: '{problem} Answer in tags.'\n")
+    pairs, template, notes = load_pairs(load_rm_config(None, [f"data.rollouts={run}", "data.max_pairs_per_prompt=3"]))
+    assert len(pairs) == 5 and template == "{problem} Answer in tags."  # the run's own template
+    assert "5 logged prompts, 2 with a right and a wrong answer" in notes[0]
+
+
+def _separable_pairs(tmp_path, n=48):
+    """Pairs whose preferred answer is visible in the text: the labelled count inside answer tags, over the bare
+    number (the format a strict reward pays for)."""
+    rows = []
+    (tmp_path / "images").mkdir()
+    for i, s in enumerate(make_task("shapes_count", n, "train", seed=0)):
+        s["images"][0].save(tmp_path / "images" / f"{i}.png")
+        rows.append({"image": f"images/{i}.png", "prompt": s["problem"],
+                     "chosen": f"<answer>{s['solution']}</answer>", "rejected": f"{s['solution']}"})
+    path = tmp_path / "prefs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def trained_rm(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp("rm")
+    cfg = load_rm_config(None, [f"data.pairs.path={_separable_pairs(tmp)}", "data.heldout=0.25",
+                                "data.max_answer_tokens=16", f"model.name_or_path={tiny_model_dir}",
+                                "trainer.steps=30", "trainer.batch_size=8", "trainer.lr=1e-3", "trainer.eval_every=0",
+                                "trainer.threads=1", "trainer.tensorboard=false", f"trainer.output_dir={tmp / 'run'}"])
+    return train_reward_model(cfg)
+
+
+def test_rm_learns_a_visible_preference_and_saves_a_loadable_folder(trained_rm):
+    final = trained_rm["final"]
+    assert trained_rm["heldout_pairs"] == 12 and final["prompts"] == 12
+    assert final["pairwise_accuracy"] >= 0.9 and final["ci_low"] > 0.5, final
+    folder = trained_rm["checkpoint"]
+    info = json.loads((Path(folder) / REWARD_MODEL_FILE).read_text())
+    assert info["kind"] == "outcome" and info["max_answer_tokens"] == 16
+    assert info["trained"]["heldout"]["pairwise_accuracy"] == final["pairwise_accuracy"]
+    from transformers import AutoModelForImageTextToText
+
+    AutoModelForImageTextToText.from_pretrained(folder)  # the backbone is a plain model folder
+    rm = RewardModel.from_pretrained(folder)
+    s = make_task("shapes_count", 1, "test", seed=5)[0]
+    out = compute_rewards([RewardSpec("reward_model", kwargs={"path": trained_rm["run_dir"]})],
+                          [f"<answer>{s['solution']}</answer>", s["solution"]],
+                          {k: [s[k]] * 2 for k in ("id", "problem", "solution", "images")})
+    chosen, rejected = out.components["reward_model"]
+    assert chosen > rejected and out.failures["reward_model"] == 0
+    assert rm.info["vocabulary"] == info["vocabulary"]
+
+
+def test_reward_model_refuses_a_sample_it_cannot_score(trained_rm):
+    s = make_task("shapes_count", 1, "test", seed=5)[0]
+    long_answer = "<answer>" + " ".join(["3"] * 40) + "</answer>"
+    out = compute_rewards([RewardSpec("reward_model", kwargs={"path": trained_rm["run_dir"]})],
+                          [f"<answer>{s['solution']}</answer>", long_answer],
+                          {k: [s[k]] * 2 for k in ("id", "problem", "solution", "images")})
+    values = out.components["reward_model"]
+    assert values[0] is not None and values[1] is None
+    assert out.failures["reward_model"] == 1 and out.failed.tolist() == [False, True]
+    assert "scores at most 16" in out.errors["reward_model"]
+    assert out.extra["reward_model"]["too_long"] == 1.0
+
+
+def test_reward_model_refuses_a_prompt_past_its_limit(trained_rm, tmp_path):
+    import shutil
+
+    folder = tmp_path / "rm"
+    shutil.copytree(trained_rm["checkpoint"], folder)
+    info = json.loads((folder / REWARD_MODEL_FILE).read_text())
+    (folder / REWARD_MODEL_FILE).write_text(json.dumps({**info, "max_prompt_length": 8}))
+    s = make_task("shapes_count", 1, "test", seed=5)[0]
+    out = compute_rewards([RewardSpec("reward_model", kwargs={"path": str(folder)})], ["<answer>1</answer>"],
+                          {k: [s[k]] for k in ("id", "problem", "solution", "images")})
+    assert out.components["reward_model"] == [None] and out.failures["reward_model"] == 1
+    assert "max_prompt_length (8 tokens)" in out.errors["reward_model"]
+
+
+@pytest.fixture(scope="module")
+def other_vocabulary_dir(tmp_path_factory):
+    """The test model with a 300-token vocabulary in place of 400: another tokenizer."""
+    return build_tiny_vlm(tmp_path_factory.mktemp("other"), vocabulary_texts(0),
+                          type(TEST_MODEL)(**{**vars(TEST_MODEL), "vocab_size": 300}), seed=0)
+
+
+def test_an_rm_with_another_vocabulary_is_refused(trained_rm, other_vocabulary_dir):
+    other = load_policy(other_vocabulary_dir)
+    specs = [RewardSpec("reward_model", kwargs={"path": trained_rm["run_dir"]})]
+    with pytest.raises(ConfigError, match="tokenizer is not the policy's"):
+        bind_reward_models(specs, other)
+    relaxed = [RewardSpec("reward_model", kwargs={"path": trained_rm["run_dir"], "same_tokenizer": False})]
+    bind_reward_models(relaxed, other)  # scoring the text with the RM's own tokenizer, on request
+    assert relaxed[0].kwargs["device"] == "cpu"
+    with pytest.raises(ConfigError, match="kwargs.path"):
+        bind_reward_models([RewardSpec("reward_model")], other)
+
+
+def test_rm_train_needs_one_source_of_pairs():
+    with pytest.raises(ConfigError, match="exactly one source"):
+        load_rm_config(None, [])
+    with pytest.raises(ConfigError, match="exactly one source"):
+        load_rm_config(None, ["data.pairs.task=shapes_count", "data.rollouts=runs/x"])
+
+
+def test_the_reward_in_a_two_step_training_run(trained_rm, tiny_model_dir, tmp_path):
+    from tests.test_train_e2e import small_config
+    from vlmrl.trainer.run import train
+
+    cfg = small_config(tmp_path, "trainer.steps=2", f"model.name_or_path={tiny_model_dir}", "sft.steps=0",
+                       f"rewards=[{{name: reward_model, path: {trained_rm['run_dir']}}}, {{name: accuracy, weight: 0}}]")
+    assert cfg.rewards[0].kwargs == {"path": trained_rm["run_dir"]}
+    train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["phase"] == "train"]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["reward/reward_model/count"] > 0 and r["reward/reward_model/failures"] == 0
+        assert math.isfinite(r["reward/reward_model/mean"]) and math.isfinite(r["loss"])
+
+
+def test_vlmrl_train_refuses_the_rm_before_a_step(trained_rm, other_vocabulary_dir, tmp_path, capsys):
+    from tests.test_train_e2e import SMALL
+    from vlmrl.cli import main
+
+    run = tmp_path / "run"
+    assert main(["train", *SMALL, f"trainer.output_dir={run}", "trainer.steps=1", "sft.steps=0",
+                 f"model.name_or_path={other_vocabulary_dir}",
+                 f"rewards=[{{name: reward_model, path: {trained_rm['run_dir']}}}]"]) == 2
+    assert "tokenizer is not the policy's" in capsys.readouterr().err
+    assert not run.exists()  # refused before a training step: the run directory is removed
+
+
+def test_a_score_does_not_depend_on_the_answers_batched_with_it(trained_rm):
+    """The head reads each row's own last real token: padding after a short answer (beside a long one) and the
+    other rows change nothing."""
+    s = make_task("shapes_count", 1, "test", seed=5)[0]
+    spec = [RewardSpec("reward_model", kwargs={"path": trained_rm["run_dir"]})]
+    columns = {k: [s[k]] for k in ("id", "problem", "solution", "images")}
+    alone = compute_rewards(spec, ["4"], columns).components["reward_model"][0]
+    both = compute_rewards(spec, ["4", "<answer>4</answer>"],
+                           {k: v * 2 for k, v in columns.items()}).components["reward_model"]
+    assert both[1] is not None and both[0] == pytest.approx(alone, abs=1e-5)

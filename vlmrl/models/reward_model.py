@@ -1,0 +1,155 @@
+"""An outcome reward model: a VLM with a scalar head on the final hidden state of the last real token of
+prompt + answer. `vlmrl rm train` fits one on preference pairs (vlmrl.trainer.rm); the `reward_model` reward scores
+answers with it (vlmrl.rewards.reward_model).
+
+On disk an RM is a model folder (what `Policy.save_pretrained` writes: the VLM with its LM head, and its processor;
+it loads with `from_pretrained` like any checkpoint) plus two files:
+
+- `reward_model.json` (REWARD_MODEL_FILE) marks the folder as a reward model and says how to score with it: the
+  head's file and width, the prompt template it was trained with, the longest prompt and answer it scores, and a
+  fingerprint of its tokenizer's vocabulary (what the reward checks against the policy's);
+- `reward_head.safetensors` (the head's weight [1, H] and bias [1]).
+
+`RewardModel.from_pretrained(folder)` loads both back.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from vlmrl.errors import PathError
+from vlmrl.models.batch import PromptBatch, PromptEmbeds
+from vlmrl.models.policy import Policy, load_policy
+
+REWARD_MODEL_FILE = "reward_model.json"
+HEAD_FILE = "reward_head.safetensors"
+FORMAT_VERSION = 1
+
+
+def vocabulary_fingerprint(tokenizer) -> dict:
+    """{"size", "sha256"} of a tokenizer's whole vocabulary (token -> id, added tokens included): two tokenizers with
+    the same fingerprint split every text into the same ids."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    digest = hashlib.sha256(json.dumps(vocab, ensure_ascii=False).encode()).hexdigest()
+    return {"size": len(vocab), "sha256": digest}
+
+
+def answer_ids(policy: Policy, texts: list[str], finished: list[bool] | None = None) -> tuple[Tensor, Tensor]:
+    """Answers tokenised as the policy wrote them, right-padded: (ids [N, T], mask [N, T]). A finished answer gets
+    the end-of-turn token after it (as generation and SFT targets end); an unfinished one (cut at the token budget)
+    does not, so the RM sees that it stopped short. Text never becomes a special token."""
+    tok = policy.processor.tokenizer
+    finished = [True] * len(texts) if finished is None else finished
+    seqs = [tok(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] + ([policy.eos_token_ids[0]]
+            if done else []) for t, done in zip(texts, finished, strict=True)]
+    width = max(1, max(len(s) for s in seqs))
+    ids = torch.full((len(seqs), width), policy.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def last_token_hidden(family, prompt: PromptEmbeds, ids: Tensor, mask: Tensor) -> Tensor:
+    """The final hidden state [N, H] of the last real token of each row: prompt row n (left-padded) followed by
+    answer n (right-padded), one decoder pass over both, positions continuing the prompt's (M-RoPE or 1-D) as in
+    generation. A row with an empty answer takes its prompt's last token."""
+    t = ids.shape[1]
+    device = prompt.embeds.device
+    ids, mask = ids.to(device), mask.to(device)
+    embeds = torch.cat([prompt.embeds, family.embed_tokens(ids)], dim=1)
+    attention = torch.cat([prompt.attention_mask, mask.to(prompt.attention_mask.dtype)], dim=1)
+    positions = torch.cat([prompt.position_ids, prompt.completion_positions(0, t)], dim=2)
+    hidden = family.forward_hidden(embeds, attention, positions, extras=prompt.extras)
+    last = prompt.embeds.shape[1] + mask.sum(-1) - 1
+    return hidden[torch.arange(len(ids), device=device), last]
+
+
+@dataclass
+class RewardModel:
+    """A policy's VLM (and processor) with a scalar head: r = head(h_last), h_last the final hidden state of the last
+    real token of prompt + answer. `info` is the folder's reward_model.json (without the head's weights)."""
+
+    policy: Policy
+    head: nn.Linear
+    info: dict = field(default_factory=dict)
+
+    @classmethod
+    def on(cls, policy: Policy, prompt_template: str = "{problem}", max_prompt_length: int = 512,
+           max_answer_tokens: int = 512) -> RewardModel:
+        """A new RM on `policy`'s weights: the head starts at zero (every answer scores 0 until trained)."""
+        hidden = policy.model.config.text_config.hidden_size
+        head = nn.Linear(hidden, 1).to(policy.family.device)
+        nn.init.zeros_(head.weight)
+        nn.init.zeros_(head.bias)
+        info = {"vlmrl_reward_model": FORMAT_VERSION, "kind": "outcome", "pooling": "last_token",
+                "head": {"file": HEAD_FILE, "in_features": hidden, "out_features": 1},
+                "prompt_template": prompt_template, "max_prompt_length": max_prompt_length,
+                "max_answer_tokens": max_answer_tokens,
+                "vocabulary": vocabulary_fingerprint(policy.processor.tokenizer)}
+        return cls(policy, head, info)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """What training updates: the VLM's trainable weights and the head."""
+        return [p for p in self.policy.model.parameters() if p.requires_grad] + list(self.head.parameters())
+
+    def train(self, mode: bool = True) -> RewardModel:
+        self.policy.model.train(mode)
+        self.head.train(mode)
+        return self
+
+    def prompts(self, samples: list[dict]) -> PromptBatch:
+        """Samples' prompts through the RM's processor and template (PromptTooLongError past max_prompt_length)."""
+        problems = [self.info["prompt_template"].format(**s) for s in samples]
+        return self.policy.processor(problems, [list(s.get("images") or []) for s in samples],
+                                     [str(s.get("id", i)) for i, s in enumerate(samples)],
+                                     self.info["max_prompt_length"])
+
+    def score(self, prompts: PromptBatch, rows: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
+        """Scores [N] (float32) of answers `ids`/`mask` [N, T], answer n answering prompt `rows[n]` of `prompts`:
+        each prompt's images go through the vision tower once for all of its answers."""
+        embeds = self.policy.family.prompt_embeds(prompts).select(rows.to(self.policy.family.device))
+        hidden = last_token_hidden(self.policy.family, embeds, ids, mask)
+        return self.head(hidden.float()).squeeze(-1)
+
+    def save_head(self, path: str | Path, extra: dict | None = None) -> None:
+        """Write reward_model.json (with `extra` merged in, e.g. the held-out accuracy) and the head's weights."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.info = {**self.info, **(extra or {})}
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in self.head.state_dict().items()},
+                  path / HEAD_FILE)
+        (path / REWARD_MODEL_FILE).write_text(json.dumps(self.info, indent=1) + "\n")
+
+    def save_pretrained(self, path: str | Path, extra: dict | None = None) -> None:
+        """The model folder (`Policy.save_pretrained`) and the head's two files."""
+        self.policy.save_pretrained(path)
+        self.save_head(path, extra)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: str = "float32", device: str = "cpu",
+                        autocast: bool = True) -> RewardModel:
+        """Load an RM folder (`save_pretrained`); PathError when the folder is not one."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        marker = path / REWARD_MODEL_FILE
+        if not marker.is_file():
+            raise PathError(f"{path}: not a reward model (no {REWARD_MODEL_FILE}); train one with `vlmrl rm train`")
+        info = json.loads(marker.read_text())
+        if info.get("vlmrl_reward_model") != FORMAT_VERSION or info.get("kind") != "outcome":
+            raise PathError(f"{marker}: format {info.get('vlmrl_reward_model')!r}, kind {info.get('kind')!r}; this "
+                            f"vlmrl reads outcome reward models of format {FORMAT_VERSION}")
+        policy = load_policy(path, dtype, device, autocast=autocast)
+        head = nn.Linear(info["head"]["in_features"], 1)
+        head.load_state_dict(load_file(path / info["head"]["file"]))
+        return cls(policy, head.to(policy.family.device), info)

@@ -1,0 +1,231 @@
+"""`vlmrl rm train`: fit an outcome reward model on preference pairs with the Bradley-Terry loss.
+
+    pairs ──► r_c, r_r = RM(prompt, chosen), RM(prompt, rejected) ──► L = -log sigmoid(r_c - r_r) ──► AdamW
+
+Pairs come from a file in the offline DPO format (rows {image, prompt, chosen, rejected}), a built-in task (chosen =
+its label written as `data.target_template`, rejected = a wrong answer, as offline DPO makes them), or a run's own
+rollouts (`vlmrl.trainer.rm_pairs`: a right answer preferred to a wrong one to the same prompt). A share of the
+prompts is held out; the held-out pairwise accuracy (r_c > r_r; a tie counts as wrong) and its 95% interval (over
+prompts: `vlmrl.eval.metrics.accuracy_interval`) are logged and written into the RM's reward_model.json.
+
+The RM is written as RUN/checkpoint-N by the trainer's `save_checkpoint` (whole or not at all), a model folder plus
+the head's files (`vlmrl.models.reward_model`), and is used as `{name: reward_model, path: RUN}` in a recipe.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from vlmrl.algorithms.losses import bradley_terry_loss
+from vlmrl.config import TinyModelConfig
+from vlmrl.configlib import Count, Fraction, Name, NonNegative, Positive, PositiveInt, Rule, load, section
+from vlmrl.configlib import validate as _validate
+from vlmrl.data import build_dataset, vocabulary_texts
+from vlmrl.errors import DataError
+from vlmrl.eval.metrics import accuracy_interval
+from vlmrl.models import build_tiny_vlm, load_policy
+from vlmrl.models.reward_model import RewardModel, answer_ids
+from vlmrl.optim import adamw
+from vlmrl.progress import Progress
+from vlmrl.trainer.checkpoint import begin_checkpoint, save_checkpoint
+from vlmrl.trainer.dpo import synthetic_preferences
+from vlmrl.trainer.inputs import PromptStream
+from vlmrl.trainer.logger import MetricsLogger
+from vlmrl.trainer.rm_pairs import pairs_from_rollouts, prompt_key, split_by_prompt
+from vlmrl.trainer.run import claim_run_dir, seed_everything
+
+
+@section
+class RMModelConfig:
+    # the VLM under the head: a policy checkpoint (RUN/checkpoint-0 for the policy the RM will score: same tokenizer),
+    # a model folder or hub name; "tiny" builds the embedded model (its tokenizer from the built-in tasks' text)
+    name_or_path: Name = "tiny"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Name = "cpu"
+    autocast: bool = True  # bf16 autocast of forwards on CUDA (weights stay in `dtype`)
+    tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
+
+
+@section
+class RMDataConfig:
+    # {path: FILE}: rows {image, prompt, chosen, rejected} (the offline DPO format); {task: NAME, n: N}: a built-in
+    # task's labels (chosen = the label, rejected = a wrong answer); a list of either
+    pairs: Any = None
+    rollouts: str | None = None  # a run directory: pairs from its rollouts.jsonl (a right answer over a wrong one)
+    max_pairs_per_prompt: Count = 4  # rollouts: (right, wrong) pairs drawn per logged prompt; 0 = all
+    heldout: Fraction = 0.2  # share of the prompts (with all their pairs) held out for pairwise accuracy
+    prompt_template: str | None = None  # None: the rollouts' run's data.prompt_template, else "{problem}"
+    target_template: Name = "<answer>{solution}</answer>"  # built-in task pairs: a label written as an answer
+    max_prompt_length: PositiveInt = 512  # tokens, images included; the RM refuses longer prompts when scoring
+    max_answer_tokens: PositiveInt = 256  # the longest answer it trains on and scores (longer: refused)
+    seed: Count = 0  # pair drawing and the held-out split
+    on_error: Literal["raise", "skip"] = "raise"  # bad rows in a pair file
+
+
+@section
+class RMTrainerConfig:
+    steps: PositiveInt = 200  # optimizer steps
+    batch_size: PositiveInt = 16  # pairs per step (and per scoring chunk when evaluating)
+    lr: Positive = 1.0e-4
+    weight_decay: NonNegative = 0.0
+    max_grad_norm: Positive = 1.0
+    eval_every: Count = 50  # steps between held-out evaluations (and one at the end); 0 = at the end only
+    seed: Count = 0
+    threads: Count = 0  # torch CPU threads; 0 = torch's default
+    tensorboard: bool = True
+    output_dir: Name = "runs/rm"  # a new folder (an existing non-empty one gets -2, -3, ...)
+
+
+@section
+class RMConfig:
+    model: RMModelConfig = field(default_factory=RMModelConfig)
+    data: RMDataConfig = field(default_factory=RMDataConfig)
+    trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)
+
+
+def _one_source(c: RMConfig) -> str | None:
+    if (c.data.pairs is None) == (c.data.rollouts is None):
+        return ("give exactly one source of preference pairs: data.pairs ({path: FILE} or {task: NAME, n: N}) or "
+                "data.rollouts (a run directory)")
+    return None
+
+
+RULES = [Rule(("data.pairs", "data.rollouts"), "exactly one of them", _one_source)]
+
+
+def load_rm_config(path: str | Path | None = None, overrides: list[str] = ()) -> RMConfig:
+    """Defaults, then the recipe YAML, then dotted overrides; every field against its declaration, then `RULES`."""
+    return load(RMConfig, path, list(overrides), RULES)
+
+
+def load_pairs(cfg: RMConfig) -> tuple[list[dict], str, list[str]]:
+    """(pairs, the prompt template, notes on what was read)."""
+    d = cfg.data
+    template = d.prompt_template
+    if d.rollouts is not None:
+        pairs, report = pairs_from_rollouts(d.rollouts, d.max_pairs_per_prompt, d.seed)
+        if template is None:
+            run_config = Path(d.rollouts) / "config.yaml"
+            if run_config.is_file():
+                import yaml
+
+                template = (yaml.safe_load(run_config.read_text()).get("data") or {}).get("prompt_template")
+        notes = [f"{d.rollouts}: {report.entries} logged prompts, {report.with_pairs} with a right and a wrong answer "
+                 f"({report.all_right} all right, {report.all_wrong} all wrong, {report.no_verdicts} without "
+                 f"verdicts): {len(pairs)} pairs"]
+    else:
+        pairs, file_report = build_dataset(d.pairs, "train", d.seed, d.on_error)
+        if file_report is None:  # a built-in task: pairs from its labels
+            pairs = synthetic_preferences(pairs, d.target_template, d.seed)
+        notes = [f"data.pairs: {len(pairs)} pairs" + (f" ({file_report.skipped} rows skipped)"
+                                                      if file_report is not None and file_report.skipped else "")]
+        for p in pairs:
+            if not isinstance(p.get("chosen"), str) or not isinstance(p.get("rejected"), str):
+                raise DataError(f"preference sample {p.get('id')!r}: needs string 'chosen' and 'rejected' answers")
+    if not pairs:
+        raise DataError("no preference pairs: " + notes[0])
+    return pairs, template or "{problem}", notes
+
+
+def pair_scores(rm: RewardModel, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r_chosen [B], r_rejected [B]): both answers of a pair after its prompt, the prompt's images encoded once."""
+    prompts = rm.prompts(pairs)
+    ids, mask = answer_ids(rm.policy, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs])
+    scores = rm.score(prompts, torch.arange(len(pairs)).repeat(2), ids, mask)
+    return scores[:len(pairs)], scores[len(pairs):]
+
+
+@torch.no_grad()
+def evaluate_pairs(rm: RewardModel, pairs: list[dict], batch_size: int = 16) -> dict[str, float]:
+    """Pairwise accuracy (r_c > r_r) on `pairs`, its 95% interval over prompts (a prompt's pairs resampled
+    together), the mean margin and loss."""
+    rm.train(False)
+    right: dict[str, list[bool]] = {}
+    margins, losses = [], []
+    for start in range(0, len(pairs), batch_size):
+        chunk = pairs[start:start + batch_size]
+        loss, margin = bradley_terry_loss(*pair_scores(rm, chunk))
+        margins += margin.tolist()
+        losses += loss.tolist()
+        for p, m in zip(chunk, margin.tolist(), strict=True):
+            right.setdefault(prompt_key(p), []).append(m > 0)
+    low, high = accuracy_interval(list(right.values()))
+    return {"pairwise_accuracy": sum(m > 0 for m in margins) / len(margins), "ci_low": low, "ci_high": high,
+            "margin": sum(margins) / len(margins), "loss": sum(losses) / len(losses), "pairs": float(len(pairs)),
+            "prompts": float(len(right))}
+
+
+def build_model(cfg: RMConfig, run_dir: Path, template: str) -> RewardModel:
+    m, d = cfg.model, cfg.data
+    name = m.name_or_path
+    if name == "tiny":
+        name = build_tiny_vlm(run_dir / "base_model", vocabulary_texts(d.seed), m.tiny, seed=cfg.trainer.seed)
+    policy = load_policy(name, m.dtype, m.device, autocast=m.autocast)
+    return RewardModel.on(policy, template, d.max_prompt_length, d.max_answer_tokens)
+
+
+def check_answer_lengths(rm: RewardModel, pairs: list[dict]) -> None:
+    """DataError naming the first pair with an answer past max_answer_tokens (the RM would refuse it when scoring)."""
+    limit = rm.info["max_answer_tokens"]
+    for p in pairs:
+        for side in ("chosen", "rejected"):
+            length = int(answer_ids(rm.policy, [p[side]])[1].sum())
+            if length > limit:
+                raise DataError(f"pair {p.get('id')!r}: its {side} answer is {length} tokens, past "
+                                f"data.max_answer_tokens={limit}; raise it or drop the pair")
+
+
+def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
+    """Train an RM as `cfg` says; returns {run_dir, checkpoint, pairs, heldout, final, wall_seconds, notes}."""
+    _validate(cfg, RULES)
+    progress = progress or Progress()
+    t0 = time.perf_counter()
+    t = cfg.trainer
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    seed_everything(t.seed)
+    pairs, template, notes = load_pairs(cfg)  # bad data stops here, before a run directory or a model exists
+    train_pairs, held = split_by_prompt(pairs, cfg.data.heldout, cfg.data.seed)
+    for note in notes:
+        progress.message(note)
+    run_dir, _ = claim_run_dir(t.output_dir)
+    rm = build_model(cfg, run_dir, template)
+    check_answer_lengths(rm, pairs)
+    logger = MetricsLogger(run_dir, t.tensorboard)
+    logger.log({"pairs": len(pairs), "train_pairs": len(train_pairs), "heldout_pairs": len(held)}, 0, "data")
+    optimizer = adamw(rm.parameters(), t.lr, t.weight_decay)
+    stream = PromptStream(len(train_pairs), torch.Generator().manual_seed(t.seed))
+    final: dict[str, float] = {}
+    progress.start("rm train", t.steps)
+    try:
+        for step in range(1, t.steps + 1):
+            rm.train(True)
+            batch = [train_pairs[i] for i in stream.next(t.batch_size)]
+            optimizer.zero_grad(set_to_none=True)
+            losses, margin = bradley_terry_loss(*pair_scores(rm, batch))
+            losses.mean().backward()
+            norm = torch.nn.utils.clip_grad_norm_(rm.parameters(), t.max_grad_norm)
+            optimizer.step()
+            logger.log({"loss": losses.mean().item(), "margin": margin.mean().item(),
+                        "accuracy": (margin > 0).float().mean().item(), "grad_norm": norm.item()}, step, "rm")
+            progress.advance()
+            if held and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
+                final = evaluate_pairs(rm, held, t.batch_size)
+                logger.log(final, step, "rm_eval")
+    finally:
+        progress.end()
+        logger.close()
+    checkpoint = run_dir / f"checkpoint-{t.steps}"
+    staging = begin_checkpoint(checkpoint)
+    rm.save_head(staging, {"trained": {"steps": t.steps, "train_pairs": len(train_pairs),
+                                       "heldout": {k: final[k] for k in ("pairwise_accuracy", "ci_low", "ci_high",
+                                                                         "pairs", "prompts")} if final else None}})
+    save_checkpoint(checkpoint, rm.policy, cfg, {"step": t.steps, "kind": "reward_model"}, staged=True)
+    return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "pairs": len(pairs),
+            "train_pairs": len(train_pairs), "heldout_pairs": len(held), "final": final, "notes": notes,
+            "wall_seconds": time.perf_counter() - t0}
