@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from vlmrl.errors import ConfigError
-from vlmrl.preflight import resolve_model
+from vlmrl.models.preflight import resolve_model
 from vlmrl.rewards.columns import per_sample
 from vlmrl.rewards.registry import RewardBatch, RewardFailure, RewardSpec, register_reward
 from vlmrl.rewards.verifiable import ANSWER_TYPES
