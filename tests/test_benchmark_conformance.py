@@ -215,7 +215,8 @@ def test_judge_option_sends_the_published_prompts():
                              question_type=["multi_choice"] * n, mathvista_answer_type=["text"] * n,
                              choices=[["3", "7"]] * n, precision=[None] * n)
         assert list(batch) == [1.0, 1.0, 0.0] and batch.metrics["requests"] == 2
-        assert server.prompts() == [mathvista_prompt(query, r) for r in responses[1:]]
+        # the judge is asked concurrently, so the requests arrive in any order
+        assert sorted(server.prompts()) == sorted(mathvista_prompt(query, r) for r in responses[1:])
         # MathVerse: the last 30 words to the extraction prompt, then the scoring prompt; a reply that is neither
         # 0 nor 1 leaves the sample unscored
         long = " ".join(["word"] * 40) + " so the area is 12"
@@ -223,7 +224,7 @@ def test_judge_option_sends_the_published_prompts():
                              question_for_eval=["Find the area."] * 3)
         assert batch[0] == 1.0 and batch[2] == 0.0 and isinstance(batch[1], RewardFailure)
         sent = server.prompts()[2:]
-        assert mathverse_extract_prompt(long) in sent and "word " * 40 not in sent[0]
+        assert mathverse_extract_prompt(long) in sent and not any("word " * 40 in p for p in sent)
         assert mathverse_score_prompt("Find the area.", "12", "12") in sent
 
 
