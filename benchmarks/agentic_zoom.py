@@ -37,7 +37,7 @@ def run_one(seed: int, arm: str, overrides: list[str], out_root: Path) -> dict:
     out = out_root / f"{arm.replace(' ', '_')}-seed{seed}"
     cmd = [sys.executable, "-m", "vlmrl", "train", str(RECIPE), f"trainer.seed={seed}", "trainer.threads=1",
            f"trainer.output_dir={out}", *ARMS[arm], *overrides]
-    wall, usage = timed_run(cmd, f"seed {seed}, {arm}")
+    wall, usage = timed_run(cmd, f"seed {seed}, {arm}", out.with_suffix(".stdout"))
     rows = metrics(out)
     evals = [r for r in rows if r["phase"] == "eval"]
     train = [r for r in rows if r["phase"] == "train"]
