@@ -88,6 +88,27 @@ def test_filter_drops_always_and_never_solved_prompts_and_counts_them():
     assert 0 not in c.filtered
 
 
+def test_a_prompt_no_answer_solves_stays_open_while_its_graded_rewards_differ():
+    # a box prompt: no answer reaches IoU 0.5 (none solved), but their IoUs differ (a signal): it still teaches
+    c = curriculum(n=4, filter_unsolved=True, filter_after=2, filter_recheck=0.0)
+    for _ in range(3):
+        c.observe(0, [False] * 4, signal=True)
+    assert 0 not in c.filtered
+    c.observe(1, [False] * 4, signal=True)
+    c.observe(1, [False] * 4, signal=False)  # one draw with a signal among the last two: open
+    assert 1 not in c.filtered
+    c.observe(1, [False] * 4, signal=False)  # two draws, none solved, every answer scored the same: skipped
+    assert c.filtered == {1: "unsolved"}
+    assert c.groups == {"filtered": 0, "filtered_signal": 0, "open": 6, "open_signal": 4}
+    c.observe(1, [False] * 4, signal=True)  # a recheck whose IoUs differ again lifts the filter
+    assert c.filtered == {}
+    state = json.loads(json.dumps(c.state()))  # the graded draws survive a checkpoint
+    d = curriculum(n=4, filter_unsolved=True, filter_after=2, filter_recheck=0.0)
+    d.load(state)
+    d.observe(0, [False] * 4, signal=False)
+    assert 0 not in d.filtered  # its previous draw, kept as graded, still counts
+
+
 def test_a_filtered_prompt_is_rechecked_at_its_rate_and_a_signal_lifts_its_filter():
     # random order, 4 prompts, prompt 0 filtered: each pass reaches it once and takes it with probability 0.25
     c = curriculum(n=4, filter_solved=True, filter_after=1, filter_recheck=0.25)

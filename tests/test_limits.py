@@ -10,7 +10,7 @@ import pytest
 from vlmrl.config import ConfigError, load_config
 from vlmrl.models import PromptTooLongError
 from vlmrl.trainer.limits import check_label_lengths, check_prompt_lengths, user_texts
-from vlmrl.trainer.watch import RewardFailureWatch, SignalWatch, truncation_warning
+from vlmrl.trainer.watch import RewardFailureWatch, SignalWatch, SparseSignalWatch, truncation_warning
 
 
 def test_a_label_that_cannot_be_generated_whole_is_refused(policy, count_samples):
@@ -102,6 +102,41 @@ def test_no_signal_warning_can_be_turned_off_and_single_answers_use_the_batch_st
     varied = {"reward/total/std": 0.3, "reward/total/mean": 0.5}
     assert watch.update(1, dict(varied)) is None and watch.update(2, dict(varied)) is None
     assert watch.update(3, {"reward/total/std": 0.0}) is None and watch.update(4, {"reward/total/std": 0.0})
+
+
+def task_groups(groups: dict[str, tuple[int, int, int]], prompts: int = 112) -> dict[str, float]:
+    """An RL step's per-task counts: task -> (groups generated, of them with a signal, answers solved)."""
+    out = {"dynamic_sampling/prompts": float(prompts)}
+    for task, (n, signal, solved) in groups.items():
+        out |= {f"task/{task}/groups": float(n), f"task/{task}/signal_groups": float(signal),
+                f"task/{task}/solved_answers": float(solved)}
+    return out
+
+
+def test_a_run_whose_groups_mostly_lack_a_signal_names_the_task_once():
+    cfg = load_config(None, ["trainer.no_signal_steps=4"])  # group size 8
+    watch = SparseSignalWatch(cfg)
+    # the stalled box run: 56 box groups, all silent, none solved; 56 word groups, 51 silent (mostly solved)
+    stalled = task_groups({"boxes": (56, 0, 0), "words": (56, 5, 400)})
+    messages = [watch.update(step, dict(stalled)) for step in range(1, 8)]
+    assert [i + 1 for i, m in enumerate(messages) if m] == [4]  # after the window, then once
+    text = messages[3]
+    assert text.startswith("steps 1-4: 96% of the generated groups had no learning signal")
+    assert "dynamic sampling generated 112 prompts per step to keep 16" in text
+    assert "task 'boxes': 100% of its 224 groups, 0% of its answers solved (no answer earns more than another: " \
+           "give it a graded reward, such as `iou` for boxes" in text
+    assert "task 'words': 91% of its 224 groups, 89% of its answers solved (solved: curriculum.filter_solved" in text
+    assert text.index("'boxes'") < text.index("'words'")  # the most silent task first
+    # the quickstart's own share (60-75% without a signal) is quiet; a recovery re-arms the warning
+    normal = task_groups({"count": (60, 20, 240)}, prompts=60)
+    quiet = SparseSignalWatch(cfg)
+    assert not any(quiet.update(step, dict(normal)) for step in range(1, 30))
+    assert not any(watch.update(step, dict(normal)) for step in range(8, 12))
+    again = [watch.update(step, dict(stalled)) for step in range(12, 16)]
+    assert [m is not None for m in again] == [False, True, False, False]  # the window's share passes 85% again
+    assert again[1].startswith("steps 10-13: 85% of the generated groups")  # 294 of 344
+    assert not any(SparseSignalWatch(load_config(None, ["trainer.no_signal_steps=0"])).update(s, dict(stalled))
+                   for s in range(1, 30))
 
 
 def test_truncation_warning():

@@ -133,3 +133,28 @@ def test_a_mixed_file_trained_with_the_defaults_is_graded_on_every_answer_type(t
             assert step[f"task/{task}/graded_answers"] >= 2 and step[f"task/{task}/ungraded_answers"] == 0
         answers = sum(step[f"task/{task}/graded_answers"] for task in TASKS)
         assert step["reward/accuracy/count"] == answers == step["reward/length/count"]
+        assert step["reward/iou/count"] == step["task/shapes_box/graded_answers"]  # a box's IoU, graded, besides
+        for task in TASKS:  # every generated group counted per task, for the sparse-signal warning
+            assert step[f"task/{task}/groups"] >= step[f"task/{task}/signal_groups"] >= 0
+
+
+def test_the_default_rewards_pay_a_box_its_iou_and_solve_it_at_half():
+    """The default recipe grades a box as Visual-RFT does (its IoU, for a well-formed answer) on top of accuracy's
+    IoU >= 0.5, so a box close to the target earns more than a far one before any box is right; what counts as
+    solved (accuracy, curriculum, held-out) stays IoU >= 0.5; other answers score as before."""
+    from vlmrl.config import QUICKSTART
+    from vlmrl.eval.generative import Solved, correctness
+    from vlmrl.rewards.specs import reward_specs
+
+    cfg = load_config(QUICKSTART, ["rollout.max_new_tokens=30"])  # what `vlmrl train` runs without a recipe
+    answers = ["<answer>[10, 10, 30, 30]</answer>", "<answer>[12, 10, 30, 30]</answer>",  # IoU 1, 0.9
+               "<answer>[10, 10, 30, 22]</answer>", "<answer>[40, 40, 50, 50]</answer>",  # IoU 0.6, 0
+               "[10, 10, 30, 30]", "<answer>3</answer>"]  # no answer block: 0; a number: IoU does not apply
+    n = len(answers)
+    columns = {"solution": ["[10, 10, 30, 30]"] * 5 + ["3"], "answer_type": ["box"] * 5 + ["number"],
+               "width": [56] * n, "height": [56] * n, "completion_truncated": [False] * n,
+               "completion_lengths": [5] * n}
+    out = compute_rewards(reward_specs(cfg), answers, columns)
+    assert out.components["iou"] == pytest.approx([1.0, 0.9, 0.6, 0.0, 0.0, None])
+    assert out.total.tolist() == pytest.approx([2.0, 1.9, 1.6, 0.0, 0.0, 1.0])
+    assert correctness(answers, columns, Solved.from_config(cfg), out) == [True, True, True, False, False, True]

@@ -227,8 +227,9 @@ class CurriculumConfig:
     start: Probability = 0.25  # easy_to_hard: the share of prompts open at the first RL step
     ramp: Probability = 0.5  # easy_to_hard: the share of trainer.steps after which every prompt is open
     # online filtering: skip prompts whose last `filter_after` draws were all solved by every answer (filter_solved)
-    # or by none (filter_unsolved): their groups carry no signal. Counted in curriculum/skipped_*; if fewer than a
-    # step's prompts remain, filtered ones are drawn again (curriculum/refills)
+    # or by none with every answer scoring the same (filter_unsolved; a group no answer solves whose graded rewards
+    # differ, such as a box's IoU, still teaches): their groups carry no signal. Counted in curriculum/skipped_*; if
+    # fewer than a step's prompts remain, filtered ones are drawn again (curriculum/refills)
     filter_solved: bool = False
     filter_unsolved: bool = False
     filter_after: PositiveInt = 2

@@ -11,7 +11,8 @@
 - order "random": shuffled passes, as `PromptStream`.
 
 With `filter_solved` / `filter_unsolved`, a prompt whose last `filter_after` draws were all solved by every answer
-(or by none) is skipped: its group would have all-equal rewards. Skipping is not forever: each time a draw would
+(or by none, every answer scoring the same) is skipped: its group would have all-equal rewards. A draw no answer
+solved whose graded rewards differed (a box's IoU below the solved threshold) is not "unsolved": it still teaches. Skipping is not forever: each time a draw would
 take a filtered prompt it takes it anyway with probability `filter_recheck` (in the weighted orders: its weight is
 scaled by `filter_recheck`), so a prompt the policy has since forgotten (or learned) is found again, and a draw
 that is not all-equal lifts its filter (selective rollouts, GRESO, Zheng et al. 2025; a filter that never rechecks
@@ -72,7 +73,8 @@ class Curriculum(PromptStream):
             raise ValueError("Curriculum: order easy_to_hard needs the prompts' difficulty")
         self.ranked = sorted(range(n), key=lambda i: (difficulty[i], i)) if difficulty is not None else None
         self.solved, self.answers = [0] * n, [0] * n
-        self.recent: dict[int, list[float]] = {}  # prompt -> pass rates of its last `filter_after` draws
+        # prompt -> pass rates of its last `filter_after` draws (None: solved by none, but its rewards differed)
+        self.recent: dict[int, list[float | None]] = {}
         self.filtered: dict[int, str] = {}  # prompt -> "solved" / "unsolved"
         self.skipped = {"solved": 0, "unsolved": 0}
         self.refills, self.rechecked, self.step, self.drawn_this_step = 0, 0, 1, set()
@@ -159,15 +161,19 @@ class Curriculum(PromptStream):
         return p * (1.0 - p)
 
     # -- bookkeeping -------------------------------------------------------------------------------------------------
-    def observe(self, index: int, correct: Sequence[bool]) -> None:
-        """Record one group: prompt `index` was answered len(correct) times, sum(correct) of them right."""
+    def observe(self, index: int, correct: Sequence[bool], signal: bool | None = None) -> None:
+        """Record one group: prompt `index` was answered len(correct) times, sum(correct) of them right. `signal`:
+        whether the group's rewards differed (default: whether some answers were right and some not). A group no
+        answer solved whose graded rewards still differ (a box's IoU) still teaches, so it is not "unsolved"."""
         solved, answers = sum(map(bool, correct)), len(correct)
+        signal = 0 < solved < answers if signal is None else bool(signal)
         kind = "filtered" if index in self.filtered else "open"
         self.groups[kind] += 1
-        self.groups[f"{kind}_signal"] += 0 < solved < answers
+        self.groups[f"{kind}_signal"] += signal
         self.solved[index] += solved
         self.answers[index] += answers
-        recent = (self.recent.get(index, []) + [solved / answers])[-self.cfg.filter_after:]
+        rate = solved / answers if solved or not signal else None  # None: solved by none, with a signal
+        recent = (self.recent.get(index, []) + [rate])[-self.cfg.filter_after:]
         self.recent[index] = recent
         self.filtered.pop(index, None)
         if len(recent) == self.cfg.filter_after:

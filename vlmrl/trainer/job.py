@@ -265,7 +265,7 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
                       solved=Solved.from_config(cfg))
     if cfg.curriculum.active:
         position = {id(sample): i for i, sample in enumerate(train_set)}
-        ctx.observe = lambda sample, correct: stream.observe(position[id(sample)], correct)
+        ctx.observe = lambda sample, correct, signal: stream.observe(position[id(sample)], correct, signal)
     if cfg.replay.weight > 0:
         ctx.replay = Replay(data.replay, cfg.replay.weight, cfg.replay.every, cfg.replay.batch_size,
                             cfg.sft.target_template, d.prompt_template, d.max_prompt_length, ctx.agent)

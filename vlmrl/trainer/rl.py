@@ -28,7 +28,7 @@ from vlmrl.rewards import RewardOutput, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import Rollout, concat_rollouts, generate
 from vlmrl.trainer.distributed import all_sum, gather_counts, gather_lists, gathered, shard, whole_ranks
-from vlmrl.trainer.step_metrics import pass_rate_histogram, task_reward_counts
+from vlmrl.trainer.step_metrics import add_counts, pass_rate_histogram, task_reward_counts, task_signal_counts
 from vlmrl.trainer.types import StepContext, Trajectories
 from vlmrl.trainer.update import update
 
@@ -129,8 +129,9 @@ def score_collected(ctx: StepContext, samples: list[dict], collected: tuple) -> 
                                                                                  rewards))
     if ctx.observe is not None:  # the curriculum's pass rates: every generated group, resampling rounds included
         correct, g = gather_lists(batch.correct, ctx.dist), ctx.rollout.group_size
+        signal = gather_lists(nonzero_variance_groups(rewards.total, g, scored=batch.scored()).tolist(), ctx.dist)
         for i, s in enumerate(samples):
-            ctx.observe(s, correct[i * g:(i + 1) * g])
+            ctx.observe(s, correct[i * g:(i + 1) * g], signal[i])
     if ctx.algorithm.advantage == "remax":  # ReMax's baseline: the reward of the greedy answer to the same prompt
         _, batch.greedy = collect(ctx, mine, group_size=1, temperature=0.0, offset=start)
         greedy_rewards = score(ctx, mine, batch.greedy)[0]
@@ -209,10 +210,11 @@ def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[
     but runs the update's collectives."""
     g, want = ctx.rollout.group_size, ctx.rollout.prompts_per_step
     kept, found, rounds, generated, size = [], 0, 0, 0, first_size
-    batch = first
+    batch, tasks = first, {}
     while True:
         generated += size
         keep = nonzero_variance_groups(batch.rewards.total, g, scored=batch.scored())
+        add_counts(tasks, task_signal_counts(batch.samples, keep.tolist(), batch.correct, g))
         counts = gather_counts(int(keep.sum()), ctx.dist)  # each rank's groups with a signal, in the round's order
         before = found + sum(counts[:ctx.dist.rank])  # the round's groups on lower ranks come first
         keep &= torch.cumsum(keep.long(), 0) <= max(0, want - before)  # only the first `want` of the step
@@ -226,7 +228,7 @@ def dynamic_sampling(ctx: StepContext, first: Batch, draw: Callable[[int], list[
         batch = collect_and_score(ctx, draw(size), round_index=rounds)
     ctx.signal_share = found / generated  # (the next step's first round, under resample_draw "fill")
     stats = {"dynamic_sampling/rounds": rounds, "dynamic_sampling/kept_groups": min(found, want),
-             "dynamic_sampling/dropped_groups": generated - found, "dynamic_sampling/prompts": generated}
+             "dynamic_sampling/dropped_groups": generated - found, "dynamic_sampling/prompts": generated, **tasks}
     if not found:
         first.stats = {**stats, "dynamic_sampling/kept_groups": 0}
         return first  # nothing to learn from; the update sees all-zero advantages
@@ -382,6 +384,9 @@ def learn(ctx: StepContext, produced: Produced, markers: dict[str, tuple[str, ..
         metrics.update(agent_metrics(rollout.columns))
     metrics.update(first.rewards.metrics())
     metrics.update(task_reward_counts(first))
+    if not any(k.endswith("/signal_groups") for k in batch.stats):  # one round: its groups, per task
+        signal = nonzero_variance_groups(first.rewards.total, g, scored=first.scored()).tolist()
+        metrics.update(task_signal_counts(first.samples, signal, first.correct, g))
     metrics.update(batch.stats)
     if not batch.padding:  # (a rank that trained nothing logs nothing about the trained batch)
         metrics.update(pass_rate_histogram(batch.correct, g))

@@ -52,6 +52,7 @@ from vlmrl.trainer.watch import (
     MismatchWatch,
     RewardFailureWatch,
     SignalWatch,
+    SparseSignalWatch,
     TruncationWatch,
     UngradedWatch,
     truncation_warning,
@@ -341,8 +342,8 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
     """RL steps `first_step`..trainer.steps with their evaluations, rollout gallery and checkpoints. Returns None
     when done, or the step after which a signal stopped the run (its checkpoint written)."""
     cfg, t, ctx = job.cfg, job.cfg.trainer, job.ctx
-    clock, watches = SaveClock(t), (SignalWatch(cfg), TruncationWatch(cfg), RewardFailureWatch(cfg), UngradedWatch(),
-                                  MismatchWatch(cfg))
+    clock, watches = SaveClock(t), (SignalWatch(cfg), SparseSignalWatch(cfg), TruncationWatch(cfg),
+                                  RewardFailureWatch(cfg), UngradedWatch(), MismatchWatch(cfg))
     progress.start("rl", t.steps - first_step + 1)
     try:
         for step in range(first_step, t.steps + 1):

@@ -30,3 +30,24 @@ def task_reward_counts(batch) -> dict[str, float]:
             out.setdefault(f"task/{task}/{kind}_answers", 0.0)
         out[f"task/{task}/{'graded' if ok else 'ungraded'}_answers"] += 1.0
     return out
+
+
+def task_signal_counts(samples: list[dict], signal: list[bool], correct: list[bool], group_size: int
+                       ) -> dict[str, float]:
+    """Per task, over one generation round's groups (`signal`: whether each group's rewards differed): how many
+    groups it generated (`task/<task>/groups`), how many of them carried a signal (`.../signal_groups`) and how many
+    of their answers were solved (`.../solved_answers`). The RL step sums them over its dynamic-sampling rounds, so a
+    task whose groups teach nothing is seen even when the rounds drop every one of its groups (`SparseSignalWatch`)."""
+    out: dict[str, float] = {}
+    for i, (sample, ok) in enumerate(zip(samples, signal, strict=True)):
+        task = sample.get("task") or "data"
+        for key, value in (("groups", 1.0), ("signal_groups", float(ok)),
+                           ("solved_answers", float(sum(correct[i * group_size:(i + 1) * group_size])))):
+            out[f"task/{task}/{key}"] = out.get(f"task/{task}/{key}", 0.0) + value
+    return out
+
+
+def add_counts(total: dict[str, float], more: dict[str, float]) -> dict[str, float]:
+    for key, value in more.items():
+        total[key] = total.get(key, 0.0) + value
+    return total

@@ -41,7 +41,8 @@ class StepContext:
     dist: DistInfo = field(default_factory=DistInfo)
     forward: torch.nn.Module | None = None  # the training forward, wrapped by DDP/FSDP2 when distributed
     engine: object | None = None  # rollout.engine=vllm: vlmrl.rollout.vllm_engine.VLLMEngine (None: built-in sampler)
-    observe: Callable[[dict, list[bool]], None] | None = None  # (sample, its group's correctness): the curriculum's
+    # the curriculum's bookkeeping: (sample, its group's correctness, whether the group's rewards differed)
+    observe: Callable[[dict, list[bool], bool], None] | None = None
     kl: KLController | None = None  # the KL coefficient beta, fixed or adaptive (algorithm.kl_target)
     replay: object | None = None  # vlmrl.trainer.replay.Replay: the SFT loss mixed into the update (replay.weight)
     agent: object | None = None  # vlmrl.agent.AgentSpec: multi-turn rollouts with tools (the recipe's `agent`)

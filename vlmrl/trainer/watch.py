@@ -4,13 +4,15 @@ that are cut before they end.
 A step has no learning signal when every group's rewards are equal (group-relative advantages, RLOO, online DPO:
 every advantage is 0) or, with one answer per prompt, every reward of the step is equal. After
 `trainer.no_signal_steps` such steps in a row, the run says so once, naming the causes it can check from the
-metrics it already has; the streak is also a metric (`no_signal_streak`). When more than 20% of the RL answers
-of the last `TruncationWatch.WINDOW` steps were cut at `rollout.max_new_tokens`, the run says that too (once, until
-the share falls again); evaluations warn about their own truncation (`truncation_warning`). When a reward lost
-more than 10% of its values to failures over the last `RewardFailureWatch.WINDOW` steps (a judge that times out, a
-user reward that raises), the run says that too, with the reward's own counters. When a task's answers were scored
-by no weighted reward that grades answers (only `length`/`format`, or nothing: `task/<task>/ungraded_answers`), the
-run names the task once (`UngradedWatch`).
+metrics it already has; the streak is also a metric (`no_signal_streak`). When more than 85% of the generated
+groups (every dynamic-sampling round counted) had no signal over that many steps, the run says so once, per task
+(`SparseSignalWatch`): such steps still train, but most generation is thrown away. When more than 20% of the RL
+answers of the last `TruncationWatch.WINDOW` steps were cut at `rollout.max_new_tokens`, the run says that too
+(once, until the share falls again); evaluations warn about their own truncation (`truncation_warning`). When a
+reward lost more than 10% of its values to failures over the last `RewardFailureWatch.WINDOW` steps (a judge that
+times out, a user reward that raises), the run says that too, with the reward's own counters. When a task's answers
+were scored by no weighted reward that grades answers (only `length`/`format`, or nothing:
+`task/<task>/ungraded_answers`), the run names the task once (`UngradedWatch`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ from vlmrl.rewards.registry import OWN_METRICS
 
 TRUNCATION_WARNING = 0.2  # share of answers cut at max_new_tokens above which training and eval warn
 REWARD_FAILURE_WARNING = 0.1  # share of a reward's values lost to failures above which training warns
+# share of generated groups without a signal above which training warns (the quickstart runs at 60-75%: most of its
+# prompts are solved, and dynamic sampling refills the batch)
+SPARSE_SIGNAL_WARNING = 0.85
 
 
 def has_signal(metrics: dict, group_size: int) -> bool:
@@ -91,6 +96,62 @@ class SignalWatch:
         level = "" if reward is None else f" (mean reward {reward:.2f})"
         return (f"step {step}: no learning signal for {self.streak} steps in a row: every group's answers got equal "
                 f"rewards{level}, so every advantage was 0. Likely: " + "; ".join(causes))
+
+
+class SparseSignalWatch:
+    """Feed it each RL step's metrics; `update` says once when, over the last `trainer.no_signal_steps` steps, more
+    than SPARSE_SIGNAL_WARNING of the generated groups had no learning signal (every answer to a prompt scored the
+    same; counted per task over every dynamic-sampling round, `task/<task>/groups` and `.../signal_groups`). Steps
+    still train then (dynamic sampling refills the batch), so `SignalWatch` stays quiet, but most generation is
+    thrown away and a task can stop learning unseen. The message names each task's share and what to change: a task
+    no answer solves needs a graded reward or a better start, a solved one needs filtering or harder data."""
+
+    def __init__(self, cfg: Config):
+        self.cfg, self.warned = cfg, False
+        self.recent: deque[dict] = deque(maxlen=max(cfg.trainer.no_signal_steps, 1))
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        counts = {k: float(v) for k, v in metrics.items() if k.startswith("task/") and
+                  k.endswith(("/groups", "/signal_groups", "/solved_answers"))}
+        if not self.cfg.trainer.no_signal_steps or not counts:
+            return None
+        self.recent.append({**counts, "prompts": float(metrics.get("dynamic_sampling/prompts", 0.0))})
+        tasks = sorted({k.split("/")[1] for m in self.recent for k in m if k.endswith("/signal_groups")})
+        groups = {t: self._sum(f"task/{t}/groups") for t in tasks}
+        silent = {t: groups[t] - self._sum(f"task/{t}/signal_groups") for t in tasks}
+        share = sum(silent.values()) / max(sum(groups.values()), 1.0)
+        if share <= SPARSE_SIGNAL_WARNING:
+            self.warned = False
+            return None
+        if self.warned or len(self.recent) < self.recent.maxlen:
+            return None
+        self.warned = True
+        return self.message(step, share, groups, silent)
+
+    def _sum(self, key: str) -> float:
+        return sum(m.get(key, 0.0) for m in self.recent)
+
+    def message(self, step: int, share: float, groups: dict, silent: dict) -> str:
+        g = self.cfg.rollout.group_size
+        parts = []
+        for task in sorted(groups, key=lambda t: -silent[t]):
+            if not groups[task]:
+                continue
+            solved = self._sum(f"task/{task}/solved_answers") / (groups[task] * g)
+            part = (f"task {task!r}: {100 * silent[task] / groups[task]:.0f}% of its {groups[task]:g} groups, "
+                    f"{100 * solved:.0f}% of its answers solved")
+            if silent[task] / groups[task] > SPARSE_SIGNAL_WARNING:
+                part += (" (no answer earns more than another: give it a graded reward, such as `iou` for boxes, or "
+                         "a better start, more sft.steps or labelled rows; curriculum.filter_unsolved skips such "
+                         "prompts)" if solved < 0.5 else
+                         " (solved: curriculum.filter_solved skips such prompts, or use harder data)")
+            parts.append(part)
+        prompts = self._sum("prompts") / len(self.recent)
+        drawn = (f"; dynamic sampling generated {prompts:.0f} prompts per step to keep "
+                 f"{self.cfg.rollout.prompts_per_step}" if prompts else "")
+        first = step - len(self.recent) + 1
+        return (f"steps {first}-{step}: {100 * share:.0f}% of the generated groups had no learning signal (every "
+                f"answer to the prompt scored the same){drawn}. " + "; ".join(parts))
 
 
 class TruncationWatch:
