@@ -104,31 +104,32 @@ def test_no_signal_warning_can_be_turned_off_and_single_answers_use_the_batch_st
     assert watch.update(3, {"reward/total/std": 0.0}) is None and watch.update(4, {"reward/total/std": 0.0})
 
 
-def task_groups(groups: dict[str, tuple[int, int, int]], prompts: int = 112) -> dict[str, float]:
-    """An RL step's per-task counts: task -> (groups generated, of them with a signal, answers solved)."""
+def task_groups(groups: dict[str, tuple[int, int, int, int]], prompts: int = 112) -> dict[str, float]:
+    """An RL step's per-task counts: task -> (groups generated, with a signal, solved by every answer, by none)."""
     out = {"dynamic_sampling/prompts": float(prompts)}
-    for task, (n, signal, solved) in groups.items():
-        out |= {f"task/{task}/groups": float(n), f"task/{task}/signal_groups": float(signal),
-                f"task/{task}/solved_answers": float(solved)}
+    for task, counts in groups.items():
+        out |= {f"task/{task}/{key}": float(v) for key, v in
+                zip(("groups", "signal_groups", "solved_groups", "unsolved_groups"), counts, strict=True)}
     return out
 
 
 def test_a_run_whose_groups_mostly_lack_a_signal_names_the_task_once():
-    cfg = load_config(None, ["trainer.no_signal_steps=4"])  # group size 8
+    cfg = load_config(None, ["trainer.no_signal_steps=4"])
     watch = SparseSignalWatch(cfg)
-    # the stalled box run: 56 box groups, all silent, none solved; 56 word groups, 51 silent (mostly solved)
-    stalled = task_groups({"boxes": (56, 0, 0), "words": (56, 5, 400)})
+    # the stalled box run: 56 box groups, all silent, none solved; 56 word groups, 51 silent, 45 of them solved
+    stalled = task_groups({"boxes": (56, 0, 0, 56), "words": (56, 5, 45, 6)})
     messages = [watch.update(step, dict(stalled)) for step in range(1, 8)]
     assert [i + 1 for i, m in enumerate(messages) if m] == [4]  # after the window, then once
     text = messages[3]
     assert text.startswith("steps 1-4: 96% of the generated groups had no learning signal")
     assert "dynamic sampling generated 112 prompts per step to keep 16" in text
-    assert "task 'boxes': 100% of its 224 groups, 0% of its answers solved (no answer earns more than another: " \
-           "give it a graded reward, such as `iou` for boxes" in text
-    assert "task 'words': 91% of its 224 groups, 89% of its answers solved (solved: curriculum.filter_solved" in text
+    assert "task 'boxes': 100% of its 224 groups (0 solved by every answer, 224 by none): no answer earns more " \
+           "than another; give it a graded reward (such as `iou` for boxes)" in text
+    assert "task 'words': 91% of its 224 groups (180 solved by every answer, 24 by none): solved; " \
+           "curriculum.filter_solved skips such prompts" in text
     assert text.index("'boxes'") < text.index("'words'")  # the most silent task first
     # the quickstart's own share (60-75% without a signal) is quiet; a recovery re-arms the warning
-    normal = task_groups({"count": (60, 20, 240)}, prompts=60)
+    normal = task_groups({"count": (60, 20, 30, 10)}, prompts=60)
     quiet = SparseSignalWatch(cfg)
     assert not any(quiet.update(step, dict(normal)) for step in range(1, 30))
     assert not any(watch.update(step, dict(normal)) for step in range(8, 12))

@@ -35,15 +35,17 @@ def task_reward_counts(batch) -> dict[str, float]:
 def task_signal_counts(samples: list[dict], signal: list[bool], correct: list[bool], group_size: int
                        ) -> dict[str, float]:
     """Per task, over one generation round's groups (`signal`: whether each group's rewards differed): how many
-    groups it generated (`task/<task>/groups`), how many of them carried a signal (`.../signal_groups`) and how many
-    of their answers were solved (`.../solved_answers`). The RL step sums them over its dynamic-sampling rounds, so a
-    task whose groups teach nothing is seen even when the rounds drop every one of its groups (`SparseSignalWatch`)."""
+    groups it generated (`task/<task>/groups`), how many carried a signal (`.../signal_groups`), and how many every
+    answer solved (`.../solved_groups`) or none did (`.../unsolved_groups`). The RL step sums them over its
+    dynamic-sampling rounds, so a task whose groups teach nothing is seen even when the rounds drop every one of its
+    groups (`vlmrl.trainer.watch.SparseSignalWatch`)."""
     out: dict[str, float] = {}
     for i, (sample, ok) in enumerate(zip(samples, signal, strict=True)):
         task = sample.get("task") or "data"
-        for key, value in (("groups", 1.0), ("signal_groups", float(ok)),
-                           ("solved_answers", float(sum(correct[i * group_size:(i + 1) * group_size])))):
-            out[f"task/{task}/{key}"] = out.get(f"task/{task}/{key}", 0.0) + value
+        solved = sum(correct[i * group_size:(i + 1) * group_size])
+        for key, value in (("groups", 1.0), ("signal_groups", float(ok)), ("solved_groups", solved == group_size),
+                           ("unsolved_groups", solved == 0)):
+            out[f"task/{task}/{key}"] = out.get(f"task/{task}/{key}", 0.0) + float(value)
     return out
 
 

@@ -112,7 +112,7 @@ class SparseSignalWatch:
 
     def update(self, step: int, metrics: dict) -> str | None:
         counts = {k: float(v) for k, v in metrics.items() if k.startswith("task/") and
-                  k.endswith(("/groups", "/signal_groups", "/solved_answers"))}
+                  k.endswith(("/groups", "/signal_groups", "/solved_groups", "/unsolved_groups"))}
         if not self.cfg.trainer.no_signal_steps or not counts:
             return None
         self.recent.append({**counts, "prompts": float(metrics.get("dynamic_sampling/prompts", 0.0))})
@@ -132,19 +132,18 @@ class SparseSignalWatch:
         return sum(m.get(key, 0.0) for m in self.recent)
 
     def message(self, step: int, share: float, groups: dict, silent: dict) -> str:
-        g = self.cfg.rollout.group_size
         parts = []
         for task in sorted(groups, key=lambda t: -silent[t]):
             if not groups[task]:
                 continue
-            solved = self._sum(f"task/{task}/solved_answers") / (groups[task] * g)
-            part = (f"task {task!r}: {100 * silent[task] / groups[task]:.0f}% of its {groups[task]:g} groups, "
-                    f"{100 * solved:.0f}% of its answers solved")
+            solved, unsolved = self._sum(f"task/{task}/solved_groups"), self._sum(f"task/{task}/unsolved_groups")
+            part = (f"task {task!r}: {100 * silent[task] / groups[task]:.0f}% of its {groups[task]:g} groups "
+                    f"({solved:g} solved by every answer, {unsolved:g} by none)")
             if silent[task] / groups[task] > SPARSE_SIGNAL_WARNING:
-                part += (" (no answer earns more than another: give it a graded reward, such as `iou` for boxes, or "
-                         "a better start, more sft.steps or labelled rows; curriculum.filter_unsolved skips such "
-                         "prompts)" if solved < 0.5 else
-                         " (solved: curriculum.filter_solved skips such prompts, or use harder data)")
+                part += (": no answer earns more than another; give it a graded reward (such as `iou` for boxes) "
+                         "or a better start (more sft.steps or labelled rows); curriculum.filter_unsolved skips "
+                         "such prompts" if unsolved >= solved else
+                         ": solved; curriculum.filter_solved skips such prompts, or use harder data")
             parts.append(part)
         prompts = self._sum("prompts") / len(self.recent)
         drawn = (f"; dynamic sampling generated {prompts:.0f} prompts per step to keep "
