@@ -244,6 +244,14 @@ class CurriculumConfig:
 
 
 @section
+class DistillConfig:
+    # on-policy distillation (docs/algorithms.md): a frozen teacher scores the student's own answers, and every answer
+    # token's advantage gets -coef x (log p_student - log p_teacher), the per-token reverse KL, beside the rewards'
+    teacher: str | None = None  # a checkpoint or model folder (a run directory: its last checkpoint); same vocabulary
+    coef: NonNegative = 1.0  # weight of the per-token reverse-KL advantage against the rewards' advantage
+
+
+@section
 class ReplayConfig:
     # mixed SFT + RL: on every `every`-th RL step, `weight` x the SFT loss of `batch_size` labelled samples joins each
     # optimizer step's loss, to keep abilities RL does not reward (docs/training.md); weight 0 = off
@@ -341,6 +349,7 @@ class Config:
     control: ControlConfig = field(default_factory=ControlConfig)
     curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
 
 

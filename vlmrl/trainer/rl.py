@@ -27,6 +27,7 @@ from vlmrl.models.scoring import logprob_gap, score_batch
 from vlmrl.rewards import RewardOutput, compute_rewards
 from vlmrl.rollout.batch import make_prompts, reward_columns
 from vlmrl.rollout.generate import Rollout, concat_rollouts, generate
+from vlmrl.trainer.distill import distill_advantages
 from vlmrl.trainer.distributed import all_sum, gather_counts, gather_lists, gathered, shard, whole_ranks
 from vlmrl.trainer.step_metrics import add_counts, pass_rate_histogram, task_reward_counts, task_signal_counts
 from vlmrl.trainer.types import StepContext, Trajectories
@@ -259,7 +260,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     chunks = {"micro_batch": ctx.trainer.micro_batch, "micro_batch_tokens": ctx.trainer.micro_batch_tokens}
     beta = ctx.kl.beta  # fixed, or adapted after every step (algorithm.kl_target)
     reward_kl = algo.kl_in == "reward" and beta > 0 and ctx.reference is not None
-    old = ref = values = policy_logprobs = greedy_kl = None
+    old = ref = values = policy_logprobs = greedy_kl = teacher_logprobs = None
     # no gradient: a critic's values would otherwise carry its graph into the advantages and value targets
     with torch.no_grad(), ctx.policy.sampling(), gathered(ctx.forward):
         recompute = not ctx.batch_used_once and algo.ratio_denominator == "proximal"
@@ -271,6 +272,10 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
             old = rollout.logprobs.to(mask.device)
         if ctx.reference is not None:
             ref = ctx.reference.logprobs(*args, **chunks)
+        if ctx.teacher is not None:  # on-policy distillation: the student's and the teacher's log-probs of its tokens
+            if policy_logprobs is None:
+                policy_logprobs = score_batch(ctx.policy, *args, **chunks).logprobs
+            teacher_logprobs = ctx.teacher.logprobs(*args, **chunks)
         if ctx.critic is not None:
             values = ctx.critic.values(*args, **chunks)
         if reward_kl and batch.greedy is not None:  # ReMax: the greedy baseline's own KL, summed over its tokens
@@ -292,10 +297,15 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
         rewards=rewards, group_size=ctx.rollout.group_size, scale=algo.advantage_scale, mask=mask, kl=kl,
         beta=reward_kl_beta, gamma=algo.gamma, lam=algo.lam, values=values, baseline=algo.reinforce_pp_baseline,
         baseline_rewards=baseline, scored=scored, reduce=rank_sum(ctx))
+    advantages = adv.advantages
+    if ctx.teacher is not None:
+        advantages, distilled = distill_advantages(advantages, policy_logprobs, teacher_logprobs, mask,
+                                                   ctx.teacher.coef)
+        batch.stats = {**batch.stats, **distilled}
     loss_mask = mask * (~rollout.truncated).to(mask.device).long()[:, None] if algo.overlong_filter else mask
     loss_mask = loss_mask * scored.long()[:, None]  # a failed reward: no loss (its advantage is 0 too)
     images = torch.tensor([len(batch.samples[i].get("images") or []) for i in rollout.prompt_index.tolist()])
-    return Trajectories(args[1], rollout.completion_ids, loss_mask, old, ref, adv.advantages, rewards,
+    return Trajectories(args[1], rollout.completion_ids, loss_mask, old, ref, advantages, rewards,
                         values, adv.returns, rollout.logprobs, scored, batch.padding, images)
 
 

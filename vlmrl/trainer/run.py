@@ -34,6 +34,7 @@ from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.coverage import check_coverage
 from vlmrl.rewards.registry import check_specs
 from vlmrl.rewards.reward_model import bind_reward_models
+from vlmrl.trainer.distill import load_teacher
 from vlmrl.rewards.specs import budget_warnings, reward_specs
 from vlmrl.trainer.asynchronous import check_pending
 from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
@@ -271,6 +272,7 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
             policy = build_policy(cfg, run_dir, dist_info, data)
             check_data_fits(policy, cfg, data)  # every label and prompt fits its budget, before any training step
             bind_reward_models(rewards, policy)  # a learned reward: on this device, its tokenizer the policy's
+            teacher = load_teacher(cfg, policy, dist_info.device)  # on-policy distillation: the same vocabulary
     except VlmrlError:
         if fresh:
             logger.close()
@@ -289,9 +291,10 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
                                                 m.max_pixels, m.autocast), m)
         check_data_fits(policy, cfg, data)
         bind_reward_models(rewards, policy)
+        teacher = load_teacher(cfg, policy, dist_info.device)
         summary["start"] = resume_state.get("start_eval", {})
     job = prepare_rl(cfg, policy, run_dir, data, rewards, generator, dist_info, summary["start"],
-                     point.checkpoint if point else None, resume_state)
+                     point.checkpoint if point else None, resume_state, teacher)
     job.t_start, job.wall_before = t_start, resume_state.get("wall_seconds", 0.0) if resume_state else 0.0
     if resume_state is None:
         job.checkpoint(0)  # the SFT start: the baseline every RL number is compared with

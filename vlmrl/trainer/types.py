@@ -45,6 +45,7 @@ class StepContext:
     observe: Callable[[dict, list[bool], bool], None] | None = None
     kl: KLController | None = None  # the KL coefficient beta, fixed or adaptive (algorithm.kl_target)
     replay: object | None = None  # vlmrl.trainer.replay.Replay: the SFT loss mixed into the update (replay.weight)
+    teacher: object | None = None  # on-policy distillation: the frozen teacher (vlmrl.trainer.distill.load_teacher)
     agent: object | None = None  # vlmrl.agent.AgentSpec: multi-turn rollouts with tools (the recipe's `agent`)
     guard: NonfiniteGuard = field(default_factory=NonfiniteGuard)  # optimizer steps skipped for a NaN/inf, run-long
     signal_share: float | None = None  # dynamic sampling: the last step's share of generated groups with a signal
