@@ -34,11 +34,11 @@ from vlmrl.rewards import RewardSpec
 from vlmrl.rewards.coverage import check_coverage
 from vlmrl.rewards.registry import check_specs
 from vlmrl.rewards.reward_model import bind_reward_models
-from vlmrl.trainer.distill import load_teacher
 from vlmrl.rewards.specs import budget_warnings, reward_specs
 from vlmrl.trainer.asynchronous import check_pending
 from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
 from vlmrl.trainer.curriculum import difficulties
+from vlmrl.trainer.distill import load_teacher
 from vlmrl.trainer.distributed import NullLogger, barrier, broadcast_object, gathered, init_distributed
 from vlmrl.trainer.inputs import Datasets, load_datasets
 from vlmrl.trainer.job import RLJob, check_distributed, lr_lambda, prepare_rl, start_vllm
