@@ -35,7 +35,7 @@ from smoke import SMOKE  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 EXTRA: list[str] = []  # overrides every run gets (--smoke: SMOKE, with two small tasks)
 # the quickstart's RL as these arms were measured (before it skipped solved prompts and took 6 resampling rounds)
-AS_MEASURED = ["curriculum.filter_solved=false", "algorithm.max_resample_rounds=3"]
+AS_MEASURED = ["curriculum.filter_solved=false", "curriculum.filter_unsolved=false", "algorithm.max_resample_rounds=3"]
 TASKS = [*AS_MEASURED, "data.sft=[{task: shapes_count, n: 300}, {task: shapes_color, n: 300}]",
          "data.eval=[{task: shapes_count, n: 600}, {task: shapes_color, n: 300}]"]
 ARMS = {

@@ -50,7 +50,7 @@ RESULTS = ROOT / "benchmarks/results"
 # what TRL's GRPOTrainer lacks, turned off in vlmrl (trl_grpo_worker.unmatched refuses a recipe that keeps any):
 # DAPO's dynamic sampling, the curriculum's solved-prompt filter and the soft overlong (length) reward; the rest of
 # the quickstart's RL (clip-higher 0.2/0.28, truncated answers masked, token-mean, beta 0) both sides have
-MATCHED = ["algorithm.dynamic_sampling=false", "curriculum.filter_solved=false",
+MATCHED = ["algorithm.dynamic_sampling=false", "curriculum.filter_solved=false", "curriculum.filter_unsolved=false",
            "rewards=[{name: accuracy, weight: 1.0}]"]
 
 

@@ -15,7 +15,10 @@ RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 def test_shipped_recipes_score_with_the_limits_they_wrote_before(recipe):
     # both recipes wrote {max_length: 12, cache_length: 4} by hand; they now follow max_new_tokens=12 to the same
     specs = reward_specs(load_config(recipe))
-    assert specs == [RewardSpec("accuracy", 1.0, {}), RewardSpec("length", 1.0, {"max_length": 12, "cache_length": 4})]
+    assert specs[:2] == [RewardSpec("accuracy", 1.0, {}),
+                         RewardSpec("length", 1.0, {"max_length": 12, "cache_length": 4})]
+    # the quickstart also pays a box answer its IoU (None on its numbers)
+    assert specs[2:] == ([RewardSpec("iou", 1.0, {"strict": True})] if recipe == QUICKSTART else [])
     assert budget_warnings(load_config(recipe)) == []
 
 

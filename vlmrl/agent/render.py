@@ -113,8 +113,7 @@ class TurnRenderer:
         pieces = _SLOT.split(rendered)  # scaffold, slot index, scaffold, ...
         for k, piece in enumerate(pieces):
             if k % 2:
-                ids += self.tokenizer(texts[int(piece)], add_special_tokens=False,
-                                      split_special_tokens=True)["input_ids"]
+                ids += self.processor.literal_tokenizer(texts[int(piece)], add_special_tokens=False)["input_ids"]
             elif piece:
                 known = self.scaffold_ids.get(piece)
                 if known is None:

@@ -44,9 +44,9 @@ def answer_ids(policy: Policy, texts: list[str], finished: list[bool] | None = N
     """Answers tokenised as the policy wrote them, right-padded: (ids [N, T], mask [N, T]). A finished answer gets
     the end-of-turn token after it (as generation and SFT targets end); an unfinished one (cut at the token budget)
     does not, so the RM sees that it stopped short. Text never becomes a special token."""
-    tok = policy.processor.tokenizer
+    tok = policy.processor.literal_tokenizer  # special tokens split, without touching the shared tokenizer
     finished = [True] * len(texts) if finished is None else finished
-    seqs = [tok(t, add_special_tokens=False, split_special_tokens=True)["input_ids"] + ([policy.eos_token_ids[0]]
+    seqs = [tok(t, add_special_tokens=False)["input_ids"] + ([policy.eos_token_ids[0]]
             if done else []) for t, done in zip(texts, finished, strict=True)]
     width = max(1, max(len(s) for s in seqs))
     ids = torch.full((len(seqs), width), policy.pad_token_id, dtype=torch.long)

@@ -10,9 +10,11 @@ forward see one preprocessing path. The model side is `VLFamily` (vlmrl.models.f
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 import sys
+import threading
 from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +32,7 @@ PROCESSOR_FILE = "vlmrl_processor.json"
 # characters (`client_text`), so that tokenising splits the special tokens in it: only the template makes special
 # tokens. `_SLOT` stands in for a client span while image markers are expanded in the text around it.
 CLIENT_OPEN, CLIENT_CLOSE, _SLOT = "\ue000", "\ue001", "\ue002"
+_LITERAL_LOCK = threading.Lock()  # `VLProcessor.literal_tokenizer` is made once
 _CLIENT_SPAN = re.compile("\ue000(.*?)\ue001", re.S)
 
 
@@ -265,13 +268,31 @@ class VLProcessor:
         return "".join(t + (CLIENT_OPEN + c + CLIENT_CLOSE if k < len(pieces) // 2 else "")
                        for k, (t, c) in enumerate(zip(template, [*pieces[1::2], ""], strict=True)))
 
+    @property
+    def literal_tokenizer(self):
+        """A copy of the tokenizer that splits special tokens: for text from outside (a client's, a tool's, an
+        answer an RM scores), where `<|im_end|>` is text, never a turn boundary. A copy with its own backend: passing
+        `split_special_tokens` to the shared tokenizer sets a flag on its Rust backend that every thread shares, so
+        a prompt tokenised at the same moment (a server's other request, an asynchronous producer) lost its special
+        tokens (a served request saw 0 image placeholders)."""
+        literal = self.__dict__.get("_literal_tokenizer")
+        if literal is None:
+            with _LITERAL_LOCK:
+                literal = self.__dict__.get("_literal_tokenizer")
+                if literal is None:
+                    literal = copy.deepcopy(self.tokenizer)
+                    literal.split_special_tokens = True
+                    self.__dict__["_literal_tokenizer"] = literal
+        return literal
+
     def _token_ids(self, text: str) -> list[int]:
         """One marked text's ids: the template's pieces tokenised as usual, each client span with special tokens
         split (`client_text`)."""
         ids: list[int] = []
         for k, piece in enumerate(_CLIENT_SPAN.split(text)):
             if piece:
-                ids += self.tokenizer(piece, add_special_tokens=False, split_special_tokens=bool(k % 2))["input_ids"]
+                ids += (self.literal_tokenizer if k % 2 else self.tokenizer)(piece, add_special_tokens=False)[
+                    "input_ids"]
         return ids
 
     def max_prompt_chars(self, max_prompt_length: int) -> int:
