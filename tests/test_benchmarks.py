@@ -125,6 +125,7 @@ SMALLEST = {  # script: (its smallest arguments, what its output must show); STA
     "sft_step_speed.py": (["--reps", "1", "--steps", "2"], "SFT step"),
     "data_memory.py": (["--code", "now=.", "--rows", "50", "--side", "32", "--n", "10"], "load + use"),
     "mixed_answers_data.py": (["--out", "OUT", "--train", "4", "--sft", "2", "--test", "2"], "test.jsonl: 6 rows"),
+    "two_image_data.py": (["--out", "OUT", "--train", "4", "--sft", "2", "--test", "2"], "test.jsonl: 4 rows"),
     "rl_step_walltime.py": (["START", "--steps", "1", "--out", "OUT/run", *SMOKE], "| IV update |"),
     "profile_rl_step.py": (["START", "--steps", "1", "--out", "OUT/run", *SMOKE], "**whole step**"),
 }
@@ -194,3 +195,30 @@ def test_agent_step_cost_smallest(tmp_path):
     assert "step time ratio tool / no tool" in out.stdout
     out = run_script("agent_env_overlap.py", str(run / "checkpoint-0"), "--latency", "0.01", "--rounds", "1", *SMOKE)
     assert "| 10 ms |" in out.stdout and "NO" not in out.stdout
+
+
+def test_two_image_rows_ask_about_the_image_they_name(tmp_path):
+    """benchmarks/two_image_data.py: each row's box lies on a drawn shape in the image its question names (first or
+    second), both places occur, and the file loads as a user's file with two images per row."""
+    import sys
+
+    from PIL import Image
+
+    from vlmrl.data import build_dataset
+
+    sys.path.insert(0, str(BENCH))
+    from two_image_data import rows
+
+    written = rows("two_box", 12, "train", 0, tmp_path, "train")
+    places = set()
+    for row in written:
+        place = 0 if "in the first image" in row["problem"] else 1
+        places.add(place)
+        x1, y1, x2, y2 = json.loads(row["solution"])
+        image = Image.open(tmp_path / row["images"][place]).convert("RGB")
+        assert image.size == (row["width"], row["height"])
+        assert image.getpixel(((x1 + x2) // 2, (y1 + y2) // 2)) != (255, 255, 255)  # the shape, not background
+    assert places == {0, 1}
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in written))
+    samples, _ = build_dataset({"path": str(tmp_path / "rows.jsonl")}, "train", 0, "raise")
+    assert len(samples) == 12 and all(len(s["images"]) == 2 and s["answer_type"] == "box" for s in samples)
