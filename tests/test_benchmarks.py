@@ -132,6 +132,9 @@ SMALLEST = {  # script: (its smallest arguments, what its output must show); STA
 SLOW = {  # the sweeps and servers, 10-35 s each on a 2-core CPU: run with -m slow
     "soak_rollout_ranks.py": (["--smoke", "--out", "OUT/soak", "--results", "OUT/soak.json"], "| run | exit |"),
     "algorithms.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/algorithms.json"], "| dpo_offline |"),
+    # (the smoke teacher writes no answer blocks to learn from: the sft_teacher arm runs on a real teacher only)
+    "distill_quickstart.py": (["--teacher", "START", "--steps", "2", "--eval-every", "0", "--arms", "rl", "distill",
+                               "--out", "OUT/runs", "--results", "OUT/distill.json", *SMOKE], "| distill | 0 |"),
     "agentic_zoom.py": (["--seeds", "0", "--jobs", "1", "--out", "OUT/runs", "--results", "OUT/agentic_zoom.json",
                          *SMOKE, "trainer.steps=2", "trainer.eval_every=0"], "| no tool |"),
     "quickstart_seeds.py": (["--seeds", "0", "--threads", "1", "--control", "--out", "OUT/runs", "--results",
@@ -177,8 +180,9 @@ def test_benchmark_runs_in_its_smallest_mode(name, tmp_path, request):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SLOW))
-def test_slower_benchmark_runs_in_its_smallest_mode(name, tmp_path):
-    run_smallest(name, SLOW[name], None, tmp_path)
+def test_slower_benchmark_runs_in_its_smallest_mode(name, tmp_path, request):
+    start = request.getfixturevalue("smoke_start") if "START" in SLOW[name][0] else None
+    run_smallest(name, SLOW[name], start, tmp_path)
 
 
 @pytest.mark.slow  # ~15 s: an agentic SFT start, then both arms, then the tool-latency rollouts
