@@ -7,6 +7,8 @@ Each arm is `vlmrl train` with the quickstart recipe and the same seed, so both 
 - `rl`: the quickstart's RL (accuracy and length rewards);
 - `distill`: the same, plus `distill.teacher=TEACHER` (`--coef`, default 1): every answer token's advantage also gets
   -coef x (log p_student - log p_teacher) (docs/algorithms.md, "On-policy distillation from a teacher");
+- `distill_alone`: the teacher alone (every reward at weight 0, so without dynamic sampling and the solved/unsolved
+  filters, which need rewards that differ);
 - `sft_teacher` (after `rl`): SFT on the teacher's own answers, continued from the same SFT start for the RL arm's
   compute (its RL seconds over its mean SFT step time, in steps): the teacher answers --label-prompts scenes of the
   training split greedily (`vlmrl eval --samples-out`), and its answer blocks become the labels (sequence-level
@@ -34,7 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def run_arm(arm: str, seed: int, args, out_root: Path) -> dict:
     out = out_root / f"{arm}-seed{seed}"
-    extra = [f"distill.teacher={args.teacher}", f"distill.coef={args.coef}"] if arm == "distill" else []
+    extra = [f"distill.teacher={args.teacher}", f"distill.coef={args.coef}"] if arm.startswith("distill") else []
+    if arm == "distill_alone":
+        extra += ["rewards=[{name: accuracy, weight: 0.0}, {name: length, weight: 0.0}]",
+                  "algorithm.dynamic_sampling=false", "curriculum.filter_solved=false",
+                  "curriculum.filter_unsolved=false"]
     cmd = [sys.executable, "-m", "vlmrl", "train", f"trainer.seed={seed}", "trainer.threads=1",
            f"trainer.steps={args.steps}", f"trainer.eval_every={args.eval_every}", f"trainer.output_dir={out}",
            *extra, *args.overrides]
@@ -131,8 +137,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--eval-every", type=int, default=150)
     p.add_argument("--coef", type=float, default=1.0)
-    p.add_argument("--arms", nargs="+", default=["rl", "distill", "sft_teacher"],
-                   choices=["rl", "distill", "sft_teacher"])
+    p.add_argument("--arms", nargs="+", default=["rl", "distill", "distill_alone", "sft_teacher"],
+                   choices=["rl", "distill", "distill_alone", "sft_teacher"])
     p.add_argument("--label-prompts", type=int, default=2000, help="training scenes the teacher labels (sft_teacher)")
     p.add_argument("--jobs", type=int, default=1)
     p.add_argument("--out", default="runs/distill")

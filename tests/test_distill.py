@@ -85,3 +85,28 @@ def test_vlmrl_train_refuses_a_teacher_with_another_vocabulary_before_a_step(tmp
                  f"distill.teacher={other}"]) == 2
     assert "the teacher's tokenizer is not the student's" in capsys.readouterr().err
     assert not run.exists()  # refused before a training step: the run directory is removed
+
+
+def test_distillation_alone_trains_on_the_teacher_and_refuses_what_needs_a_reward(tmp_path, capsys):
+    """No reward of positive weight: the teacher grades every answer (no coverage refusal, no no-signal warnings),
+    the rewards' advantages are 0, and the update moves only by the teacher; dynamic sampling and the solved filters
+    would keep nothing, so they are refused, as DPO and gae are."""
+    from vlmrl.config import QUICKSTART, load_config
+
+    alone = ["rewards=[{name: accuracy, weight: 0.0}]", "algorithm.dynamic_sampling=false",
+             "curriculum.filter_solved=false", "curriculum.filter_unsolved=false"]
+    with pytest.raises(ConfigError, match="distillation alone"):  # the quickstart samples dynamically
+        load_config(QUICKSTART, ["distill.teacher=somewhere", "rewards=[{name: accuracy, weight: 0.0}]"])
+    with pytest.raises(ConfigError, match="does not apply to DPO"):
+        load_config(None, ["distill.teacher=somewhere", "algorithm.policy_loss=dpo"])
+    teacher, student = tmp_path / "teacher", tmp_path / "student"
+    base = ["train", *SMALL, "algorithm.overlong_filter=false", "rollout.max_new_tokens=12", "rollout.group_size=4",
+            "trainer.no_signal_steps=1"]
+    assert main([*base, f"trainer.output_dir={teacher}", "sft.steps=60", "trainer.steps=1"]) == 0
+    capsys.readouterr()
+    assert main([*base, "sft.steps=30", "trainer.steps=2", f"trainer.output_dir={student}",
+                 f"distill.teacher={teacher}", *alone]) == 0
+    err = capsys.readouterr().err
+    assert "ungraded" not in err and "no learning signal" not in err, err
+    rows = steps(student)
+    assert all(r["reward/total/std"] == 0 and abs(r["loss"]) > 1e-4 and r["grad_norm"] > 0 for r in rows)

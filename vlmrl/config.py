@@ -563,6 +563,26 @@ def _offline_dpo(c: Config) -> str | None:
     return None
 
 
+def distilling_alone(c: Config) -> bool:
+    """On-policy distillation with no reward of positive weight: the teacher grades every answer."""
+    return c.distill.teacher is not None and c.distill.coef > 0 and not any(r.weight > 0 for r in c.rewards)
+
+
+def _distill(c: Config) -> str | None:
+    if c.distill.teacher is None:
+        return None
+    if c.algorithm.policy_loss == "dpo" or c.data.preferences is not None or c.algorithm.advantage == "gae":
+        return ("distill.teacher adds a per-token advantage to the policy-gradient losses; it does not apply to DPO "
+                "(policy_loss dpo, data.preferences) or to a critic's gae: use grpo, rloo, reinforce_pp or remax")
+    if distilling_alone(c) and (c.algorithm.dynamic_sampling or c.curriculum.filter_solved
+                                or c.curriculum.filter_unsolved):
+        return ("distill.teacher with no reward of positive weight (distillation alone): dynamic sampling and the "
+                "curriculum's solved/unsolved filters keep only groups whose rewards differ, and without a weighted "
+                "reward none do; set algorithm.dynamic_sampling=false curriculum.filter_solved=false "
+                "curriculum.filter_unsolved=false, or give a reward a weight")
+    return None
+
+
 RULES: tuple[Rule, ...] = (
     Rule(("rollout.group_size", "algorithm.advantage"), "`rollout.group_size` >= 2 for `grpo`, `rloo`, "
          "REINFORCE++ with a group baseline, online DPO and dynamic sampling", _group_of_one),
@@ -601,6 +621,9 @@ RULES: tuple[Rule, ...] = (
          "asynchronous rollouts run without ReMax or DPO, and with dynamic sampling or a curriculum only with one "
          "minibatch and no replay; rollout ranks are asynchronous, without dynamic sampling, curricula, LoRA or vLLM",
          _off_policy),
+    Rule(("distill.teacher", "rewards", "algorithm.dynamic_sampling"), "`distill.teacher` works with the "
+         "policy-gradient losses (not DPO or gae); alone (no reward of positive weight) it runs without dynamic "
+         "sampling and the solved/unsolved filters", _distill),
 )
 
 

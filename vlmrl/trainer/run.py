@@ -17,7 +17,7 @@ import torch
 from vlmrl.agent import AgentSpec
 from vlmrl.agent.tools import TOOL_TOKENS
 from vlmrl.algorithms.choices import check_algorithm
-from vlmrl.config import Config, save_config, to_dict, validate
+from vlmrl.config import Config, distilling_alone, save_config, to_dict, validate
 from vlmrl.data import vocabulary_texts
 from vlmrl.deadlines import collective_timeout
 from vlmrl.errors import VlmrlError
@@ -236,8 +236,8 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
 
     data = load_datasets(cfg)
     check_specs(rewards, {k for split in (data.train, data.eval) for s in split[:1] for k in s})  # kwargs vs columns
-    if cfg.data.preferences is None:  # every answer type of the RL prompts has a weighted reward that grades it
-        check_coverage(rewards, data.train)
+    if cfg.data.preferences is None and not distilling_alone(cfg):  # every answer type of the RL prompts has a
+        check_coverage(rewards, data.train)  # weighted reward that grades it (distilling alone: the teacher does)
     if cfg.curriculum.order == "easy_to_hard":
         difficulties(data.train)  # a missing difficulty is refused now, not after the SFT warm-start
     run_dir, created = (point.run_dir, None) if point else (None, None)
@@ -345,8 +345,9 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
     """RL steps `first_step`..trainer.steps with their evaluations, rollout gallery and checkpoints. Returns None
     when done, or the step after which a signal stopped the run (its checkpoint written)."""
     cfg, t, ctx = job.cfg, job.cfg.trainer, job.ctx
-    clock, watches = SaveClock(t), (SignalWatch(cfg), SparseSignalWatch(cfg), TruncationWatch(cfg),
-                                  RewardFailureWatch(cfg), UngradedWatch(), MismatchWatch(cfg))
+    clock, watches = SaveClock(t), (TruncationWatch(cfg), RewardFailureWatch(cfg), MismatchWatch(cfg))
+    if not distilling_alone(cfg):  # (distilling alone, the teacher grades every answer and no reward differs)
+        watches += (SignalWatch(cfg), SparseSignalWatch(cfg), UngradedWatch())
     progress.start("rl", t.steps - first_step + 1)
     try:
         for step in range(first_step, t.steps + 1):
