@@ -171,16 +171,19 @@ def main() -> None:
     p.add_argument("--control", action="store_true", help="also train each run's matched-compute SFT control")
     p.add_argument("--out", default="/tmp/vlmrl-bench/quickstart")
     p.add_argument("--jobs", type=int, default=1, help="runs at once (each then gets a share of the cores)")
-    p.add_argument("--results", default="quickstart_seeds.json", help="file name under benchmarks/results/")
+    p.add_argument("--results", default=None, help="file name under benchmarks/results/ (default "
+                   "quickstart_seeds.json; with --readme only that file is written unless this is given)")
     p.add_argument("--tables-only", action="store_true", help="print the table of the saved results")
     p.add_argument("--readme", nargs="?", const=str(README_RUN), metavar="FILE",
                    help="also write the first run, with the table its vlmrl train printed, as the run README.md "
                         "quotes (default benchmarks/results/quickstart_readme.json; update README.md to match)")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-    saved = ROOT / "benchmarks/results" / args.results
+    # --readme alone re-measures the README's run: it must not replace the seeds table's raw numbers
+    saved = None if args.readme and args.results is None else \
+        ROOT / "benchmarks/results" / (args.results or "quickstart_seeds.json")
     if args.tables_only:
-        print(table(json.loads(saved.read_text())))
+        print(table(json.loads((saved or ROOT / "benchmarks/results/quickstart_seeds.json").read_text())))
         return
     pairs = [(s, t) for t in args.threads for s in args.seeds]
     with ThreadPoolExecutor(args.jobs) as pool:  # --jobs 1: one after another, the way a user runs it
@@ -188,8 +191,9 @@ def main() -> None:
         if args.control:
             results = list(pool.map(add_control, results))
     print(table(results))
-    saved.parent.mkdir(parents=True, exist_ok=True)
-    saved.write_text(json.dumps(results, indent=1))
+    if saved is not None:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(results, indent=1))
     if args.readme:
         first = {k: v for k, v in results[0].items() if k not in ("run_dir", "curve")}
         Path(args.readme).write_text(json.dumps(first, indent=1) + "\n")
