@@ -38,21 +38,28 @@ def export(task: str, n: int, split: str, seed: int, out: Path, part: str) -> li
     return rows
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/mixed_data")
+def build_file(doc: str, tasks, rows_of, out_default: str, sft_default: int) -> None:
+    """The command line of a user-file builder: OUT/train.jsonl, sft.jsonl and test.jsonl, each the rows
+    `rows_of(task, n, split, seed, out, part)` gives for every task (RL prompts data seed 0, labelled rows seed 1,
+    held-out rows the test split)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=out_default)
     p.add_argument("--train", type=int, default=1000, help="RL prompts per task")
-    p.add_argument("--sft", type=int, default=100, help="labelled warm-start rows per task")
+    p.add_argument("--sft", type=int, default=sft_default, help="labelled warm-start rows per task")
     p.add_argument("--test", type=int, default=200, help="held-out rows per task")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = {"train": ("train", args.train, 0), "sft": ("train", args.sft, 1), "test": ("test", args.test, 0)}
     for part, (split, n, seed) in parts.items():
-        rows = [r for task in TASKS for r in export(task, n, split, seed, out, part)]
+        rows = [r for task in tasks for r in rows_of(task, n, split, seed, out, part)]
         with open(out / f"{part}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in rows)
-        print(f"{out / f'{part}.jsonl'}: {len(rows)} rows ({', '.join(TASKS)}; split {split}, data seed {seed})")
+        print(f"{out / f'{part}.jsonl'}: {len(rows)} rows ({', '.join(tasks)}; split {split}, data seed {seed})")
+
+
+def main() -> None:
+    build_file(__doc__, TASKS, export, "runs/mixed_data", 100)
 
 
 if __name__ == "__main__":

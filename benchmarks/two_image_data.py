@@ -20,10 +20,10 @@ file with two images per row, word and box answers"):
 
 from __future__ import annotations
 
-import argparse
-import json
 import random
 from pathlib import Path
+
+from mixed_answers_data import build_file
 
 from vlmrl.data.shapes import shapes_box, shapes_color
 
@@ -58,20 +58,7 @@ def rows(task: str, n: int, split: str, seed: int, out: Path, part: str) -> list
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/two_image_data")
-    p.add_argument("--train", type=int, default=1000, help="RL prompts per task")
-    p.add_argument("--sft", type=int, default=300, help="labelled warm-start rows per task")
-    p.add_argument("--test", type=int, default=200, help="held-out rows per task")
-    args = p.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    parts = {"train": ("train", args.train, 0), "sft": ("train", args.sft, 1), "test": ("test", args.test, 0)}
-    for part, (split, n, seed) in parts.items():
-        written = [r for task in TASKS for r in rows(task, n, split, seed, out, part)]
-        with open(out / f"{part}.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in written)
-        print(f"{out / f'{part}.jsonl'}: {len(written)} rows ({', '.join(TASKS)}; split {split}, data seed {seed})")
+    build_file(__doc__, tuple(TASKS), rows, "runs/two_image_data", 300)
 
 
 if __name__ == "__main__":
