@@ -294,7 +294,10 @@ def test_offline_dpo_under_torchrun_matches_one_process(tmp_path):
     assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3
     for mode in ("ddp", "fsdp2"):
         two = run(tmp_path, mode, mode, 2, extra=extra, recipe=recipe)
-        assert_matches(one, two, floor)
+        # 1e-4: on an AMD EPYC the tied embedding/head differed by 4.2e-5 under both DDP and FSDP2 (identically)
+        # while every other weight stayed within 1.7e-6 and the micro-batch floor was 0 (Adam amplifying the
+        # rounding of the two ranks' gradient sum on rows DPO barely touches); a wrong update moves weights by ~lr
+        assert_matches(one, two, floor, atol=1e-4)
     assert_resumes(tmp_path, "fsdp2", "fsdp2", two, extra=extra, recipe=recipe)
 
 
