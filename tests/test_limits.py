@@ -10,7 +10,13 @@ import pytest
 from vlmrl.config import ConfigError, load_config
 from vlmrl.models import PromptTooLongError
 from vlmrl.trainer.limits import check_label_lengths, check_prompt_lengths, user_texts
-from vlmrl.trainer.watch import RewardFailureWatch, SignalWatch, SparseSignalWatch, truncation_warning
+from vlmrl.trainer.watch import (
+    OverOptimisationWatch,
+    RewardFailureWatch,
+    SignalWatch,
+    SparseSignalWatch,
+    truncation_warning,
+)
 
 
 def test_a_label_that_cannot_be_generated_whole_is_refused(policy, count_samples):
@@ -138,6 +144,33 @@ def test_a_run_whose_groups_mostly_lack_a_signal_names_the_task_once():
     assert again[1].startswith("steps 10-13: 85% of the generated groups")  # 294 of 344
     assert not any(SparseSignalWatch(load_config(None, ["trainer.no_signal_steps=0"])).update(s, dict(stalled))
                    for s in range(1, 30))
+
+
+def held_out(accuracy: float, proxy: float, key: str = "reward_model") -> dict:
+    return {"greedy/accuracy": accuracy, "greedy/accuracy_ci_low": accuracy - 0.04,
+            "greedy/accuracy_ci_high": accuracy + 0.04, f"greedy/reward/{key}": proxy}
+
+
+def test_a_learned_reward_rising_while_held_out_accuracy_falls_is_said_once():
+    rm = "rewards=[{name: reward_model, weight: 1.0, path: rm}, {name: accuracy, weight: 0.0}]"
+    watch = OverOptimisationWatch(load_config(None, [rm]))
+    # accuracy peaks at step 200 (60%, interval from 56%); the RM's score keeps rising
+    said = [watch.update(step, held_out(acc, proxy)) for step, acc, proxy in
+            [(100, 0.50, 0.20), (200, 0.60, 0.30), (300, 0.57, 0.40), (400, 0.52, 0.55), (500, 0.40, 0.70)]]
+    assert [s is not None for s in said] == [False, False, False, True, False]  # 57% is inside the interval; once
+    assert said[3].startswith("step 400: the learned reward 'reward_model' rose 0.300 -> 0.550 on the held-out set "
+                              "since step 200, while held-out accuracy fell 60.0% (95% interval from 56.0%) -> 52.0%")
+    # accuracy falling while the learned reward falls too is not over-optimisation; nor is a reward nobody weighs
+    quiet = OverOptimisationWatch(load_config(None, [rm]))
+    assert not any(quiet.update(s, held_out(a, p)) for s, a, p in [(1, 0.6, 0.5), (2, 0.4, 0.3), (3, 0.3, 0.2)])
+    for off in ("rewards=[{name: accuracy}, {name: reward_model, weight: 0.0, path: rm}]",  # no weighted RM
+                f"{rm.replace('accuracy, weight: 0.0', 'accuracy, weight: 0.0, label: gold')}"):
+        w = OverOptimisationWatch(load_config(None, [off, "solved.reward=reward_model"]
+                                              if "label: gold" in off else [off]))
+        assert not any(w.update(s, held_out(a, p)) for s, a, p in [(1, 0.6, 0.1), (2, 0.3, 0.9)])
+    judge = OverOptimisationWatch(load_config(None, ["rewards=[{name: judge, weight: 1.0}]"]))
+    assert judge.update(1, held_out(0.6, 0.1, "judge")) is None
+    assert "the learned reward 'judge' rose" in judge.update(2, held_out(0.3, 0.9, "judge"))
 
 
 def test_truncation_warning():

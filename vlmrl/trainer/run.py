@@ -51,6 +51,7 @@ from vlmrl.trainer.rollout_ranks import serve_rollouts, split_ranks
 from vlmrl.trainer.sft import sft_step
 from vlmrl.trainer.watch import (
     MismatchWatch,
+    OverOptimisationWatch,
     RewardFailureWatch,
     SignalWatch,
     SparseSignalWatch,
@@ -348,6 +349,7 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
     clock, watches = SaveClock(t), (TruncationWatch(cfg), RewardFailureWatch(cfg), MismatchWatch(cfg))
     if not distilling_alone(cfg):  # (distilling alone, the teacher grades every answer and no reward differs)
         watches += (SignalWatch(cfg), SparseSignalWatch(cfg), UngradedWatch())
+    overoptimised = OverOptimisationWatch(cfg)
     progress.start("rl", t.steps - first_step + 1)
     try:
         for step in range(first_step, t.steps + 1):
@@ -365,7 +367,12 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
             evaluated = eval_due and not stopping  # a stop leaves the evaluation to the resumed run
             if evaluated:
                 with gathered(ctx.forward):
-                    logger.log(run_eval(ctx.policy, cfg, data.eval, rewards, Progress(), f"step {step}"), step, "eval")
+                    held_out = run_eval(ctx.policy, cfg, data.eval, rewards, Progress(), f"step {step}")
+                logger.log(held_out, step, "eval")
+                warning = overoptimised.update(step, held_out)  # a learned reward rising while accuracy falls
+                if warning:
+                    progress.message(f"warning: {warning}")
+                    job.notes.append(warning)
                 stopping = agreed_stop(stop, ctx.dist)  # a signal during the evaluation
             if saving or stopping:
                 job.checkpoint(step, eval_pending=eval_due and not evaluated)

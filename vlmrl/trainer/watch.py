@@ -280,3 +280,43 @@ class MismatchWatch:
                 f"above algorithm.mismatch_warn_kl={self.limit:g}; answers from {source}; correction: "
                 f"{a.rollout_correction}, effective sample share mismatch/ess={metrics.get('mismatch/ess', 1.0):.2f}); "
                 f"{fix}, or set algorithm.rollout_correction (docs/algorithms.md, \"Off-policy correction\")")
+
+
+LEARNED_REWARDS = ("reward_model", "judge")  # rewards a policy can learn to please without being right
+
+
+class OverOptimisationWatch:
+    """Feed it each held-out evaluation; `update` says once when a learned reward with a positive weight (an outcome
+    reward model, the LLM judge) rose on the held-out set since the evaluation where held-out accuracy peaked, while
+    held-out accuracy fell below that peak's 95% interval: the policy is learning to please the reward, not to be
+    right (the over-optimisation Gao et al. 2023 measured). Held-out accuracy is `solved`, so the watch is off when
+    `solved` is itself a learned reward; every component is scored at evaluation, so a verifiable reward at weight 0
+    beside a learned one is the gold it needs."""
+
+    def __init__(self, cfg: Config):
+        self.keys = [r.label or r.name for r in cfg.rewards if r.name in LEARNED_REWARDS and r.weight > 0]
+        learned_gold = cfg.solved.reward in self.keys or cfg.solved.reward in LEARNED_REWARDS
+        self.active = bool(self.keys) and not learned_gold
+        self.seen: list[tuple[int, dict]] = []
+        self.warned = False
+
+    def update(self, step: int, metrics: dict) -> str | None:
+        if not self.active or self.warned or metrics.get("greedy/accuracy") is None:
+            return None
+        self.seen.append((step, metrics))
+        best_step, best = max(self.seen, key=lambda sm: sm[1]["greedy/accuracy"])
+        low = best.get("greedy/accuracy_ci_low", best["greedy/accuracy"])
+        if metrics["greedy/accuracy"] >= low:
+            return None
+        for key in self.keys:
+            then, now = best.get(f"greedy/reward/{key}"), metrics.get(f"greedy/reward/{key}")
+            if then is None or now is None or now <= then:
+                continue
+            self.warned = True
+            return (f"step {step}: the learned reward {key!r} rose {then:.3f} -> {now:.3f} on the held-out set since "
+                    f"step {best_step}, while held-out accuracy fell {100 * best['greedy/accuracy']:.1f}% (95% "
+                    f"interval from {100 * low:.1f}%) -> {100 * metrics['greedy/accuracy']:.1f}%: the policy is "
+                    f"learning to please the reward, not to be right. Keep the checkpoint nearest step {best_step}, "
+                    f"add a KL penalty (algorithm.beta > 0), weigh the learned reward less beside a verifiable one, "
+                    f"or train fewer steps")
+        return None
