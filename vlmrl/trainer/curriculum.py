@@ -12,13 +12,14 @@
 
 With `filter_solved` / `filter_unsolved`, a prompt whose last `filter_after` draws were all solved by every answer
 (or by none, every answer scoring the same) is skipped: its group would have all-equal rewards. A draw no answer
-solved whose graded rewards differed (a box's IoU below the solved threshold) is not "unsolved": it still teaches. Skipping is not forever: each time a draw would
-take a filtered prompt it takes it anyway with probability `filter_recheck` (in the weighted orders: its weight is
-scaled by `filter_recheck`), so a prompt the policy has since forgotten (or learned) is found again, and a draw
-that is not all-equal lifts its filter (selective rollouts, GRESO, Zheng et al. 2025; a filter that never rechecks
-lets the policy drift on everything it filtered). If fewer prompts than a draw needs remain open, the filter is
-lifted for that draw (counted in `refills`), so a run never stalls. `skipped_*` counts the filtered prompts a
-random-order pass stepped over, `rechecked` the ones it took anyway.
+solved whose graded rewards differed (a box's IoU below the solved threshold) is not "unsolved": it still teaches.
+Skipping is not forever: each time a draw would take a filtered prompt it takes it anyway with probability
+`filter_recheck` (in the weighted orders: its weight is scaled by `filter_recheck`), so a prompt the policy has
+since forgotten (or learned) is found again, and a draw that is not all-equal lifts its filter (selective rollouts,
+GRESO, Zheng et al. 2025; a filter that never rechecks lets the policy drift on everything it filtered). If fewer
+prompts than a draw needs remain open, the filter is lifted for that draw (counted in `refills`), so a run never
+stalls. `skipped_*` counts the filtered prompts a random-order pass stepped over, `rechecked` the ones it took
+anyway.
 
 Pass rates come from `observe` (the share of a prompt's answers that `correctness` accepts), called by the RL step
 for every group it generated, dynamic-sampling rounds included. The counts and draw positions are part of `state()`,

@@ -33,7 +33,6 @@ from vlmrl.trainer.checkpoint import (
 )
 from vlmrl.trainer.critic import Critic
 from vlmrl.trainer.curriculum import Curriculum, difficulties
-from vlmrl.trainer.distill import load_teacher
 from vlmrl.trainer.distributed import (
     DistInfo,
     barrier,
@@ -210,10 +209,10 @@ def check_distributed(cfg: Config, dist_info: DistInfo) -> None:
 
 def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewards: list[RewardSpec],
                generator: torch.Generator, dist_info, start_eval: dict, resume: Path | None,
-               resume_state: dict | None, teacher=None) -> RLJob:
+               resume_state: dict | None, teacher) -> RLJob:
     """Reference, offline DPO pairs, the distributed wrapper, optimizer, scheduler, prompt stream and critic; from a
-    checkpoint's state when resuming. `teacher`: on-policy distillation's (`load_teacher`), loaded here if not
-    given."""
+    checkpoint's state when resuming. `teacher`: on-policy distillation's (`vlmrl.trainer.distill.load_teacher`,
+    loaded before any work so a wrong one is refused early), or None."""
     d, m, algo, t = cfg.data, cfg.model, cfg.algorithm, cfg.trainer
     offline_dpo = d.preferences is not None
     if t.disable_dropout:
@@ -268,7 +267,7 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     if cfg.curriculum.active:
         position = {id(sample): i for i, sample in enumerate(train_set)}
         ctx.observe = lambda sample, correct, signal: stream.observe(position[id(sample)], correct, signal)
-    ctx.teacher = teacher if teacher is not None else load_teacher(cfg, policy, dist_info.device)
+    ctx.teacher = teacher
     if cfg.replay.weight > 0:
         ctx.replay = Replay(data.replay, cfg.replay.weight, cfg.replay.every, cfg.replay.batch_size,
                             cfg.sft.target_template, d.prompt_template, d.max_prompt_length, ctx.agent)

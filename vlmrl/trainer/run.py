@@ -350,13 +350,18 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
     if not distilling_alone(cfg):  # (distilling alone, the teacher grades every answer and no reward differs)
         watches += (SignalWatch(cfg), SparseSignalWatch(cfg), UngradedWatch())
     overoptimised = OverOptimisationWatch(cfg)
+
+    def say(warning: str | None) -> None:  # a watch's warning: said once, kept in the run's notes
+        if warning:
+            progress.message(f"warning: {warning}")
+            job.notes.append(warning)
+
     progress.start("rl", t.steps - first_step + 1)
     try:
         for step in range(first_step, t.steps + 1):
             metrics, gallery = job.step(step)
-            for warning in filter(None, [w.update(step, metrics) for w in watches]):  # said once, kept in notes
-                progress.message(f"warning: {warning}")
-                job.notes.append(warning)
+            for w in watches:
+                say(w.update(step, metrics))
             logger.log(metrics, step, "train")
             if gallery and t.log_rollouts_every and (step % t.log_rollouts_every == 0 or step == 1):
                 logger.log_rollouts([{"step": step, **gallery}])
@@ -369,10 +374,7 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
                 with gathered(ctx.forward):
                     held_out = run_eval(ctx.policy, cfg, data.eval, rewards, Progress(), f"step {step}")
                 logger.log(held_out, step, "eval")
-                warning = overoptimised.update(step, held_out)  # a learned reward rising while accuracy falls
-                if warning:
-                    progress.message(f"warning: {warning}")
-                    job.notes.append(warning)
+                say(overoptimised.update(step, held_out))  # a learned reward rising while accuracy falls
                 stopping = agreed_stop(stop, ctx.dist)  # a signal during the evaluation
             if saving or stopping:
                 job.checkpoint(step, eval_pending=eval_due and not evaluated)
