@@ -190,19 +190,10 @@ def cmd_data(args) -> int:
         return 1 if report.skipped else 0
     # export: write a built-in task as Visual-RFT JSONL + PNG files, the same format user data takes
     samples, _ = build_dataset({"task": args.task, "n": args.n}, args.split, args.seed)
-    out = Path(args.out)
-    (out / "images").mkdir(parents=True, exist_ok=True)
-    with open(out / f"{args.task}-{args.split}.jsonl", "w") as f:
-        for i, s in enumerate(samples):
-            names = []
-            for j, image in enumerate(s["images"]):
-                name = f"images/{args.split}-{i}-{j}.png"
-                image.save(out / name)
-                names.append(name)
-            row = {k: v for k, v in s.items() if k != "images"}
-            row["image"] = names[0] if len(names) == 1 else names
-            f.write(json.dumps(row) + "\n")
-    print(f"wrote {len(samples)} rows to {out / f'{args.task}-{args.split}.jsonl'}")
+    from vlmrl.data.export import write_rows
+
+    out = write_rows(samples, Path(args.out) / f"{args.task}-{args.split}.jsonl", image_prefix=args.split)
+    print(f"wrote {len(samples)} rows to {out}")
     return 0
 
 

@@ -147,6 +147,16 @@ def majority_vote(keys: Sequence[str | None], correct: Sequence[bool]) -> bool:
     return bool(correct[keys.index(winner)])
 
 
+def best_of_n(scores: Sequence[float | None], correct: Sequence[bool]) -> bool:
+    """Best-of-n selection for one prompt: whether the answer a reward model scores highest is correct. A tie goes
+    to the first; an answer the model could not score (None) is never picked, and if none could be, it counts as
+    wrong (as maj@n counts every answer abstaining)."""
+    if len(scores) != len(correct):
+        raise ValueError(f"best_of_n: {len(scores)} scores for {len(correct)} correctness flags")
+    scored = [(s, -i) for i, s in enumerate(scores) if s is not None and s == s]  # NaN (a RewardFailure) is None
+    return bool(correct[-max(scored)[1]]) if scored else False
+
+
 # ------------------------------------------------------------------------------------------------ reflection
 
 

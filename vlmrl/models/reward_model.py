@@ -1,13 +1,16 @@
-"""An outcome reward model: a VLM with a scalar head on the final hidden state of the last real token of
-prompt + answer. `vlmrl rm train` fits one on preference pairs (vlmrl.trainer.rm); the `reward_model` reward scores
-answers with it (vlmrl.rewards.reward_model).
+"""Reward models: a VLM with a scalar head. An outcome RM reads the final hidden state of the last real token of
+prompt + answer; a process RM (PRM) reads the hidden state after each reasoning step's last token, the probability
+that the step is right, and aggregates an answer's steps (min, product, last or mean). `vlmrl rm train` fits an
+outcome RM on preference pairs and a PRM on step-labelled answers (vlmrl.trainer.rm); the `reward_model` reward
+scores answers with either (vlmrl.rewards.reward_model).
 
 On disk an RM is a model folder (what `Policy.save_pretrained` writes: the VLM with its LM head, and its processor;
 it loads with `from_pretrained` like any checkpoint) plus two files:
 
 - `reward_model.json` (REWARD_MODEL_FILE) marks the folder as a reward model and says how to score with it: the
   head's file and width, the prompt template it was trained with, the longest prompt and answer it scores, and a
-  fingerprint of its tokenizer's vocabulary (what the reward checks against the policy's);
+  fingerprint of its tokenizer's vocabulary (what the reward checks against the policy's); a PRM's also how it
+  splits steps and aggregates them (`process`: {split, think_tag, aggregate});
 - `reward_head.safetensors` (the head's weight [1, H] and bias [1]).
 
 `RewardModel.from_pretrained(folder)` loads both back.
@@ -57,10 +60,10 @@ def answer_ids(policy: Policy, texts: list[str], finished: list[bool] | None = N
     return ids, mask
 
 
-def last_token_hidden(family, prompt: PromptEmbeds, ids: Tensor, mask: Tensor) -> Tensor:
-    """The final hidden state [N, H] of the last real token of each row: prompt row n (left-padded) followed by
-    answer n (right-padded), one decoder pass over both, positions continuing the prompt's (M-RoPE or 1-D) as in
-    generation. A row with an empty answer takes its prompt's last token."""
+def answer_hidden(family, prompt: PromptEmbeds, ids: Tensor, mask: Tensor) -> Tensor:
+    """Final hidden states [N, T + 1, H] over each row's answer: column 0 is the prompt's last token, column k + 1
+    answer token k; prompt row n (left-padded) followed by answer n (right-padded), one decoder pass over both,
+    positions continuing the prompt's (M-RoPE or 1-D) as in generation."""
     t = ids.shape[1]
     device = prompt.embeds.device
     ids, mask = ids.to(device), mask.to(device)
@@ -68,8 +71,44 @@ def last_token_hidden(family, prompt: PromptEmbeds, ids: Tensor, mask: Tensor) -
     attention = torch.cat([prompt.attention_mask, mask.to(prompt.attention_mask.dtype)], dim=1)
     positions = torch.cat([prompt.position_ids, prompt.completion_positions(0, t)], dim=2)
     hidden = family.forward_hidden(embeds, attention, positions, extras=prompt.extras)
-    last = prompt.embeds.shape[1] + mask.sum(-1) - 1
-    return hidden[torch.arange(len(ids), device=device), last]
+    return hidden[:, prompt.embeds.shape[1] - 1:]
+
+
+def last_token_hidden(family, prompt: PromptEmbeds, ids: Tensor, mask: Tensor) -> Tensor:
+    """The final hidden state [N, H] of the last real token of each row (`answer_hidden`); a row with an empty
+    answer takes its prompt's last token."""
+    hidden = answer_hidden(family, prompt, ids, mask)
+    return hidden[torch.arange(len(ids), device=hidden.device), mask.to(hidden.device).sum(-1)]
+
+
+def step_token_ends(policy: Policy, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[list[int]]:
+    """For each answer, the index (into its `answer_ids` tokens) of the token holding each step's last character:
+    where a process reward model reads that step's score, having seen the step and everything before it."""
+    tok = policy.processor.literal_tokenizer
+    ends = []
+    for text, steps in zip(texts, spans, strict=True):
+        offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        ends.append([next(k for k, (a, b) in enumerate(offsets) if b >= end and b > a) for _, end in steps])
+    return ends
+
+
+AGGREGATES = ("min", "product", "last", "mean")
+
+
+def aggregate_steps(probabilities: list[float], how: str = "min") -> float | None:
+    """One answer's score from its steps' probabilities of being right: the weakest step ("min", as Lightman et al.
+    and Math-Shepherd select), all steps right ("product"), the last step ("last") or "mean". None without steps."""
+    if not probabilities:
+        return None
+    if how == "min":
+        return min(probabilities)
+    if how == "product":
+        return float(torch.tensor(probabilities, dtype=torch.float64).prod())
+    if how == "last":
+        return probabilities[-1]
+    if how == "mean":
+        return sum(probabilities) / len(probabilities)
+    raise ValueError(f"aggregate={how!r}: expected one of {AGGREGATES}")
 
 
 @dataclass
@@ -83,18 +122,26 @@ class RewardModel:
 
     @classmethod
     def on(cls, policy: Policy, prompt_template: str = "{problem}", max_prompt_length: int = 512,
-           max_answer_tokens: int = 512) -> RewardModel:
-        """A new RM on `policy`'s weights: the head starts at zero (every answer scores 0 until trained)."""
+           max_answer_tokens: int = 512, process: dict | None = None) -> RewardModel:
+        """A new RM on `policy`'s weights: the head starts at zero (every answer scores 0 until trained). With
+        `process` ({split, think_tag, aggregate}) a process reward model: the head scores every reasoning step."""
         hidden = policy.model.config.text_config.hidden_size
         head = nn.Linear(hidden, 1).to(policy.family.device)
         nn.init.zeros_(head.weight)
         nn.init.zeros_(head.bias)
-        info = {"vlmrl_reward_model": FORMAT_VERSION, "kind": "outcome", "pooling": "last_token",
+        kind = {"kind": "process", "pooling": "step_ends", "process": dict(process)} if process else {
+            "kind": "outcome", "pooling": "last_token"}
+        info = {"vlmrl_reward_model": FORMAT_VERSION, **kind,
                 "head": {"file": HEAD_FILE, "in_features": hidden, "out_features": 1},
                 "prompt_template": prompt_template, "max_prompt_length": max_prompt_length,
                 "max_answer_tokens": max_answer_tokens,
                 "vocabulary": vocabulary_fingerprint(policy.processor.tokenizer)}
         return cls(policy, head, info)
+
+    @property
+    def kind(self) -> str:
+        """"outcome" (one score per answer) or "process" (one per reasoning step, aggregated per answer)."""
+        return self.info.get("kind", "outcome")
 
     def parameters(self) -> list[nn.Parameter]:
         """What training updates: the VLM's trainable weights and the head."""
@@ -118,6 +165,14 @@ class RewardModel:
         embeds = self.policy.family.prompt_embeds(prompts).select(rows.to(self.policy.family.device))
         hidden = last_token_hidden(self.policy.family, embeds, ids, mask)
         return self.head(hidden.float()).squeeze(-1)
+
+    def step_logits(self, prompts: PromptBatch, rows: Tensor, ids: Tensor, mask: Tensor,
+                    ends: list[list[int]]) -> list[Tensor]:
+        """A process RM's logit of each step being right, per answer ([steps of answer n]): the head on the hidden
+        state of each step's last token (`step_token_ends`), having seen the prompt and the answer up to there."""
+        embeds = self.policy.family.prompt_embeds(prompts).select(rows.to(self.policy.family.device))
+        logits = self.head(answer_hidden(self.policy.family, embeds, ids, mask).float()).squeeze(-1)
+        return [logits[n, torch.tensor(e, dtype=torch.long, device=logits.device) + 1] for n, e in enumerate(ends)]
 
     def save_head(self, path: str | Path, extra: dict | None = None) -> None:
         """Write reward_model.json (with `extra` merged in, e.g. the held-out accuracy) and the head's weights."""
@@ -146,9 +201,9 @@ class RewardModel:
         if not marker.is_file():
             raise PathError(f"{path}: not a reward model (no {REWARD_MODEL_FILE}); train one with `vlmrl rm train`")
         info = json.loads(marker.read_text())
-        if info.get("vlmrl_reward_model") != FORMAT_VERSION or info.get("kind") != "outcome":
+        if info.get("vlmrl_reward_model") != FORMAT_VERSION or info.get("kind") not in ("outcome", "process"):
             raise PathError(f"{marker}: format {info.get('vlmrl_reward_model')!r}, kind {info.get('kind')!r}; this "
-                            f"vlmrl reads outcome reward models of format {FORMAT_VERSION}")
+                            f"vlmrl reads outcome and process reward models of format {FORMAT_VERSION}")
         policy = load_policy(path, dtype, device, autocast=autocast)
         head = nn.Linear(info["head"]["in_features"], 1)
         head.load_state_dict(load_file(path / info["head"]["file"]))

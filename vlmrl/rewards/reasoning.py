@@ -11,7 +11,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from vlmrl.rewards.parsing import completion_text, extract_tag, normalize_text, strip_think
+from vlmrl.rewards.parsing import completion_text, extract_tag, normalize_text
 from vlmrl.rewards.registry import register_reward, resolve_reward
 from vlmrl.rewards.verifiable import per_sample
 
@@ -74,17 +74,40 @@ def keywords_reward(
     return scores
 
 
+SPLITS = {"lines": r"\n", "sentences": r"(?<=[.!?])\s+|\n", "paragraphs": r"\n\s*\n"}
+
+
 def split_steps(text: str, split: str = "lines") -> list[str]:
     """Reasoning steps: non-empty lines ("lines"), sentences ("sentences"), or paragraphs ("paragraphs")."""
-    if split == "lines":
-        parts = text.splitlines()
-    elif split == "sentences":
-        parts = re.split(r"(?<=[.!?])\s+|\n", text)
-    elif split == "paragraphs":
-        parts = re.split(r"\n\s*\n", text)
-    else:
+    return [text[a:b] for a, b in _piece_spans(text, 0, len(text), split)]
+
+
+def _piece_spans(text: str, start: int, end: int, split: str) -> list[tuple[int, int]]:
+    """Character spans of the non-empty, whitespace-stripped pieces of text[start:end] between `split`'s separators."""
+    if split not in SPLITS:
         raise ValueError(f"split={split!r}: expected lines, sentences or paragraphs")
-    return [p.strip() for p in parts if p.strip()]
+    spans, pos = [], start
+    cuts = [(start + m.start(), start + m.end()) for m in re.finditer(SPLITS[split], text[start:end])]
+    for cut_start, cut_end in [*cuts, (end, end)]:
+        piece = text[pos:cut_start]
+        if piece.strip():
+            lead = len(piece) - len(piece.lstrip())
+            spans.append((pos + lead, pos + len(piece.rstrip())))
+        pos = cut_end
+    return spans
+
+
+def step_spans(completion: str, split: str = "lines", think_tag: str = "think") -> list[tuple[int, int]]:
+    """Character spans [start, end) of a completion's reasoning steps, in order: the steps of its think blocks, or,
+    when they hold no text, of everything outside its last answer block. What the `process` reward scores and where
+    a process reward model reads a step's score (after the step's last token)."""
+    t = re.escape(think_tag)
+    blocks = [m.span(1) for m in re.finditer(rf"<{t}>(.*?)</{t}>", completion, flags=re.S)]
+    if not any(completion[a:b].strip() for a, b in blocks):
+        answers = list(re.finditer(r"<answer>.*?</answer>", completion, flags=re.S))
+        last = answers[-1].span() if answers else (len(completion), len(completion))
+        blocks = [(0, last[0]), (last[1], len(completion))]
+    return [span for a, b in blocks for span in _piece_spans(completion, a, b, split)]
 
 
 @register_reward("process")
@@ -113,11 +136,7 @@ def process_reward(
     scores: list[float | None] = []
     for i, completion in enumerate(completions):
         text = completion_text(completion)
-        reasoning = reasoning_text(text, "think", think_tag)
-        if not reasoning.strip():
-            tag = extract_tag(text, think_tag=think_tag)
-            reasoning = strip_think(text, think_tag).replace(f"<answer>{tag}</answer>", "") if tag else text
-        steps = split_steps(reasoning, split)
+        steps = [text[a:b] for a, b in step_spans(text, split, think_tag)]
         sample = {k: v[i] for k, v in rows.items()}
         values = [v for v in (scorer(step, j, steps, **sample) for j, step in enumerate(steps)) if v is not None]
         if not values:

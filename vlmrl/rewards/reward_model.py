@@ -1,4 +1,5 @@
-"""The `reward_model` reward: a learned outcome reward model's score of each answer (`vlmrl rm train` makes one).
+"""The `reward_model` reward: a learned outcome or process reward model's score of each answer (`vlmrl rm train`
+makes one).
 
     rewards:
       - {name: reward_model, path: runs/rm}          # a run of `vlmrl rm train`, or its checkpoint-N folder
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 # torch and the model code load on first use: importing the rewards (every command does) stays light
 
 NAME = "reward_model"
+NO_STEPS = "no reasoning steps: a process reward model scores an answer by its steps"
 _MODELS: dict[tuple[str, str, str], RewardModel] = {}
 _LOCK = threading.Lock()
 
@@ -88,37 +90,100 @@ def bind_reward_models(specs: list[RewardSpec], policy) -> None:
             raise ConfigError(f"rewards[{i}] ({spec.key}): reward_model needs kwargs.path, the folder of an RM "
                               "trained by `vlmrl rm train` (or its run directory)")
         spec.kwargs.setdefault("device", str(policy.family.device))
-        rm = get_reward_model(spec.kwargs["path"], spec.kwargs["device"], spec.kwargs.get("dtype", "float32"))
-        if spec.kwargs.get("same_tokenizer", True):
-            check_vocabulary(rm, policy.processor.tokenizer, f"rewards[{i}] ({spec.key}) {spec.kwargs['path']}")
+        for path in member_paths(spec.kwargs["path"]):
+            rm = get_reward_model(path, spec.kwargs["device"], spec.kwargs.get("dtype", "float32"))
+            if spec.kwargs.get("same_tokenizer", True):
+                check_vocabulary(rm, policy.processor.tokenizer, f"rewards[{i}] ({spec.key}) {path}")
+
+
+ENSEMBLES = ("mean", "min")
+
+
+def member_paths(path: str | list[str]) -> list[str]:
+    """The RM folders of a `path` kwarg: one, or a list (an ensemble)."""
+    paths = [path] if isinstance(path, (str, Path)) else list(path)
+    if not paths or not all(isinstance(p, (str, Path)) for p in paths):
+        raise ConfigError(f"reward_model: path must be an RM folder or a list of them (an ensemble), got {path!r}")
+    return [str(p) for p in paths]
 
 
 @register_reward(NAME, inline=True, grades=ANSWER_TYPES)
-def reward_model_reward(completions: list[str], *, path: str, batch_size: int = 16, device: str | None = None,
-                        dtype: str = "float32", same_tokenizer: bool = True, images: list[Any] | None = None,
+def reward_model_reward(completions: list[str], *, path: str | list[str], batch_size: int = 16,
+                        device: str | None = None, dtype: str = "float32", same_tokenizer: bool = True,
+                        ensemble: str = "mean", disagreement_coef: float = 0.0, images: list[Any] | None = None,
                         completion_truncated: list[bool] | None = None, **columns: Any) -> list[Any]:
-    """The RM's scalar score of each answer (unbounded; Bradley-Terry gives it meaning only as a difference between
-    answers to one prompt, which is what group advantages use), from the RM at `path`.
+    """The RM's score of each answer, from the RM at `path`: an outcome RM's scalar (unbounded; Bradley-Terry gives
+    it meaning only as a difference between answers to one prompt, which is what group advantages use), or a process
+    RM's step probabilities aggregated as its reward_model.json says (in [0, 1]; an answer without reasoning steps
+    is a RewardFailure, counted in reward/reward_model/no_steps).
+
+    `path` a list: an ensemble of RMs (e.g. trained on other seeds or pairs), combined per answer as `ensemble`
+    says, "mean" minus `disagreement_coef` x their standard deviation (uncertainty-weighted optimisation, Coste et
+    al. 2024: an answer the members disagree on is one a policy may be exploiting) or "min" (worst case); logged:
+    reward/reward_model/disagreement (the mean standard deviation). An answer any member cannot score fails.
 
     A finished answer is scored with its end-of-turn token after it, as the RM was trained; a truncated one without.
     An answer past the RM's `max_answer_tokens` or a prompt past its `max_prompt_length` is a RewardFailure naming
     both numbers (counted, trains nothing). `same_tokenizer` is checked by `vlmrl train` (`bind_reward_models`).
     Logged per step: reward/reward_model/too_long (answers or prompts refused for their length)."""
-    import torch
-
-    from vlmrl.models.reward_model import answer_ids
-
-    rm = get_reward_model(path, device, dtype)
+    if ensemble not in ENSEMBLES:
+        raise ConfigError(f"reward_model: ensemble={ensemble!r}; expected one of {ENSEMBLES}")
     n = len(completions)
     truncated = per_sample(completion_truncated, n, False)
     image_lists = per_sample(images, n, None)
     samples = [{**{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n},
                 "images": image_lists[i] or []} for i in range(n)]
-    ids, mask = answer_ids(rm.policy, [str(c) for c in completions], [not t for t in truncated])
-    lengths = mask.sum(-1).tolist()
+    members = [_member_scores(get_reward_model(p, device, dtype), p, completions, samples, truncated, batch_size)
+               for p in member_paths(path)]
+    values: list[Any] = []
+    spreads = []
+    for scores in zip(*members, strict=True):
+        failed = [v for v in scores if isinstance(v, RewardFailure)]
+        if failed:
+            values.append(failed[0])
+            continue
+        mean = sum(scores) / len(scores)
+        spread = (sum((v - mean) ** 2 for v in scores) / len(scores)) ** 0.5
+        spreads.append(spread)
+        values.append(min(scores) if ensemble == "min" else mean - disagreement_coef * spread)
+    too_long = sum(isinstance(v, RewardFailure) and v.reason != NO_STEPS for v in values)
+    no_steps = sum(isinstance(v, RewardFailure) and v.reason == NO_STEPS for v in values)
+    extra = {"too_long": float(too_long), "no_steps": float(no_steps)}
+    if len(members) > 1 and spreads:
+        extra["disagreement"] = sum(spreads) / len(spreads)
+    return RewardBatch(values, extra)
+
+
+def answer_scores(rm: RewardModel, prompts, rows, texts: list[str], finished: list[bool]) -> list[float | None]:
+    """Each answer's score: an outcome RM's scalar, or a process RM's step probabilities (sigmoid of its step
+    logits, each read after the step's last token) aggregated as its reward_model.json says (None for an answer
+    without reasoning steps)."""
+    import torch
+
+    from vlmrl.models.reward_model import aggregate_steps, answer_ids, step_token_ends
+    from vlmrl.rewards.reasoning import step_spans
+
+    ids, mask = answer_ids(rm.policy, texts, finished)
+    if rm.kind == "outcome":
+        return rm.score(prompts, rows, ids, mask).tolist()
+    cfg = rm.info["process"]
+    spans = [step_spans(t, cfg["split"], cfg["think_tag"]) for t in texts]
+    logits = rm.step_logits(prompts, rows, ids, mask, step_token_ends(rm.policy, texts, spans))
+    return [aggregate_steps(torch.sigmoid(x).tolist(), cfg["aggregate"]) for x in logits]
+
+
+def _member_scores(rm: RewardModel, path: str, completions: list[str], samples: list[dict], truncated: list[bool],
+                   batch_size: int) -> list[Any]:
+    """One RM's score (or RewardFailure) of each answer, in chunks of `batch_size`."""
+    import torch
+
+    from vlmrl.models.reward_model import answer_ids
+
+    n = len(completions)
+    _, mask = answer_ids(rm.policy, [str(c) for c in completions], [not t for t in truncated])
     limit = rm.info["max_answer_tokens"]
     values: list[Any] = [None] * n
-    for i, length in enumerate(lengths):
+    for i, length in enumerate(mask.sum(-1).tolist()):
         if length > limit:
             values[i] = RewardFailure(f"answer of {length} tokens; this reward model scores at most {limit} "
                                       f"(max_answer_tokens in {path}/reward_model.json)")
@@ -132,14 +197,12 @@ def reward_model_reward(completions: list[str], *, path: str, batch_size: int = 
         keep = [j for j, reason in enumerate(scorable) if reason is None]
         if not keep:
             continue
-        pick = torch.tensor([rows[j] for j in keep])
-        width = max(1, int(mask[pick].sum(-1).max()))
+        texts = [str(completions[rows[j]]) for j in keep]
         with torch.no_grad():
-            scores = rm.score(prompts, torch.arange(len(keep)), ids[pick, :width], mask[pick, :width])
-        for j, value in zip(keep, scores.tolist(), strict=True):
-            values[rows[j]] = value
-    too_long = sum(isinstance(v, RewardFailure) for v in values)
-    return RewardBatch(values, {"too_long": float(too_long)})
+            scores = answer_scores(rm, prompts, torch.arange(len(keep)), texts, [not truncated[rows[j]] for j in keep])
+        for j, value in zip(keep, scores, strict=True):
+            values[rows[j]] = RewardFailure(NO_STEPS) if value is None else value
+    return values
 
 
 def _prompts(rm: RewardModel, samples: list[dict]):

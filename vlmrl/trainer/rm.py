@@ -1,12 +1,15 @@
-"""`vlmrl rm train`: fit an outcome reward model on preference pairs with the Bradley-Terry loss.
+"""`vlmrl rm train`: fit an outcome reward model on preference pairs with the Bradley-Terry loss, or a process
+reward model on step-labelled answers with a per-step cross-entropy (vlmrl.trainer.prm).
 
     pairs ──► r_c, r_r = RM(prompt, chosen), RM(prompt, rejected) ──► L = -log sigmoid(r_c - r_r) ──► AdamW
+    steps ──► p_j = PRM(prompt, answer up to step j)              ──► L = mean_j BCE(p_j, label_j) ──► AdamW
 
 Pairs come from a file in the offline DPO format (rows {image, prompt, chosen, rejected}), a built-in task (chosen =
 its label written as `data.target_template`, rejected = a wrong answer, as offline DPO makes them), or a run's own
 rollouts (`vlmrl.trainer.rm_pairs`: a right answer preferred to a wrong one to the same prompt). A share of the
 prompts is held out; the held-out pairwise accuracy (r_c > r_r; a tie counts as wrong) and its 95% interval (over
-prompts: `vlmrl.eval.metrics.accuracy_interval`) are logged and written into the RM's reward_model.json.
+prompts: `vlmrl.eval.metrics.accuracy_interval`) are logged and written into the RM's reward_model.json; for a PRM,
+its held-out step accuracy and how well it finds wrong steps (precision, recall, F1).
 
 The RM is written as RUN/checkpoint-N by the trainer's `save_checkpoint` (whole or not at all), a model folder plus
 the head's files (`vlmrl.models.reward_model`), and is used as `{name: reward_model, path: RUN}` in a recipe.
@@ -36,6 +39,7 @@ from vlmrl.trainer.checkpoint import begin_checkpoint, save_checkpoint
 from vlmrl.trainer.dpo import synthetic_preferences
 from vlmrl.trainer.inputs import PromptStream
 from vlmrl.trainer.logger import MetricsLogger
+from vlmrl.trainer.prm import check_step_rows, evaluate_steps, process_loss, row_logits
 from vlmrl.trainer.rm_pairs import pairs_from_rollouts, prompt_key, split_by_prompt
 from vlmrl.trainer.run import claim_run_dir, seed_everything
 
@@ -57,6 +61,9 @@ class RMDataConfig:
     # task's labels (chosen = the label, rejected = a wrong answer); a list of either
     pairs: Any = None
     rollouts: str | None = None  # a run directory: pairs from its rollouts.jsonl (a right answer over a wrong one)
+    # {path: FILE}: step-labelled answers for a process RM, rows {image, problem, solution, completion, labels}
+    # (labels: one number in [0, 1] per reasoning step; `vlmrl rm label` writes them from a policy's own samples)
+    steps: Any = None
     max_pairs_per_prompt: Count = 4  # rollouts: (right, wrong) pairs drawn per logged prompt; 0 = all
     heldout: Fraction = 0.2  # share of the prompts (with all their pairs) held out for pairwise accuracy
     prompt_template: str | None = None  # None: the rollouts' run's data.prompt_template, else "{problem}"
@@ -65,6 +72,14 @@ class RMDataConfig:
     max_answer_tokens: PositiveInt = 256  # the longest answer it trains on and scores (longer: refused)
     seed: Count = 0  # pair drawing and the held-out split
     on_error: Literal["raise", "skip"] = "raise"  # bad rows in a pair file
+
+
+@section
+class RMProcessConfig:
+    # a process RM (data.steps): how answers split into steps, and how an answer's step scores become its reward
+    split: Literal["lines", "sentences", "paragraphs"] = "lines"
+    think_tag: Name = "think"
+    aggregate: Literal["min", "product", "last", "mean"] = "min"
 
 
 @section
@@ -85,17 +100,19 @@ class RMTrainerConfig:
 class RMConfig:
     model: RMModelConfig = field(default_factory=RMModelConfig)
     data: RMDataConfig = field(default_factory=RMDataConfig)
+    process: RMProcessConfig = field(default_factory=RMProcessConfig)
     trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)
 
 
 def _one_source(c: RMConfig) -> str | None:
-    if (c.data.pairs is None) == (c.data.rollouts is None):
-        return ("give exactly one source of preference pairs: data.pairs ({path: FILE} or {task: NAME, n: N}) or "
-                "data.rollouts (a run directory)")
+    if sum(x is not None for x in (c.data.pairs, c.data.rollouts, c.data.steps)) != 1:
+        return ("give exactly one source: preference pairs for an outcome RM, data.pairs ({path: FILE} or {task: "
+                "NAME, n: N}) or data.rollouts (a run directory), or step-labelled answers for a process RM, "
+                "data.steps ({path: FILE})")
     return None
 
 
-RULES = [Rule(("data.pairs", "data.rollouts"), "exactly one of them", _one_source)]
+RULES = [Rule(("data.pairs", "data.rollouts", "data.steps"), "exactly one of them", _one_source)]
 
 
 def load_rm_config(path: str | Path | None = None, overrides: list[str] = ()) -> RMConfig:
@@ -132,6 +149,22 @@ def load_pairs(cfg: RMConfig) -> tuple[list[dict], str, list[str]]:
     return pairs, template or "{problem}", notes
 
 
+def load_steps(cfg: RMConfig) -> tuple[list[dict], str, list[str]]:
+    """(step-labelled rows, the prompt template, notes): data.steps read and every row's labels checked against its
+    steps as the PRM splits them (`vlmrl.trainer.prm.check_step_rows`)."""
+    d, p = cfg.data, cfg.process
+    if not (isinstance(d.steps, dict) and "path" in d.steps):
+        raise DataError(f"data.steps must be {{path: FILE}} (a JSONL of step-labelled answers), got {d.steps!r}")
+    rows, file_report = build_dataset(d.steps, "train", d.seed, d.on_error)
+    rows, bad = check_step_rows(rows, p.split, p.think_tag, skip=d.on_error == "skip")
+    skipped = bad + (file_report.skipped if file_report is not None else 0)
+    notes = [f"data.steps: {len(rows)} step-labelled answers, {sum(len(r['labels']) for r in rows)} steps"
+             + (f" ({skipped} rows skipped)" if skipped else "")]
+    if not rows:
+        raise DataError("no step-labelled answers: " + notes[0])
+    return rows, d.prompt_template or "{problem}", notes
+
+
 def pair_scores(rm: RewardModel, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """(r_chosen [B], r_rejected [B]): both answers of a pair after its prompt, the prompt's images encoded once."""
     prompts = rm.prompts(pairs)
@@ -166,14 +199,18 @@ def build_model(cfg: RMConfig, run_dir: Path, template: str) -> RewardModel:
     if name == "tiny":
         name = build_tiny_vlm(run_dir / "base_model", vocabulary_texts(d.seed), m.tiny, seed=cfg.trainer.seed)
     policy = load_policy(name, m.dtype, m.device, autocast=m.autocast)
-    return RewardModel.on(policy, template, d.max_prompt_length, d.max_answer_tokens)
+    process = vars(cfg.process) if d.steps is not None else None
+    return RewardModel.on(policy, template, d.max_prompt_length, d.max_answer_tokens, process)
 
 
 def check_answer_lengths(rm: RewardModel, pairs: list[dict]) -> None:
-    """DataError naming the first pair with an answer past max_answer_tokens (the RM would refuse it when scoring)."""
+    """DataError naming the first pair (or step-labelled row) with an answer past max_answer_tokens (the RM would
+    refuse it when scoring)."""
     limit = rm.info["max_answer_tokens"]
     for p in pairs:
-        for side in ("chosen", "rejected"):
+        for side in ("chosen", "rejected", "completion"):
+            if side not in p:
+                continue
             length = int(answer_ids(rm.policy, [p[side]])[1].sum())
             if length > limit:
                 raise DataError(f"pair {p.get('id')!r}: its {side} answer is {length} tokens, past "
@@ -189,7 +226,9 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
     if t.threads:
         torch.set_num_threads(t.threads)
     seed_everything(t.seed)
-    pairs, template, notes = load_pairs(cfg)  # bad data stops here, before a run directory or a model exists
+    process = cfg.data.steps is not None
+    # bad data stops here, before a run directory or a model exists
+    pairs, template, notes = load_steps(cfg) if process else load_pairs(cfg)
     train_pairs, held = split_by_prompt(pairs, cfg.data.heldout, cfg.data.seed)
     for note in notes:
         progress.message(note)
@@ -207,24 +246,31 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
             rm.train(True)
             batch = [train_pairs[i] for i in stream.next(t.batch_size)]
             optimizer.zero_grad(set_to_none=True)
-            losses, margin = bradley_terry_loss(*pair_scores(rm, batch))
-            losses.mean().backward()
+            if process:
+                loss = process_loss(row_logits(rm, batch), [r["labels"] for r in batch])
+                metrics = {"loss": loss.item()}
+            else:
+                losses, margin = bradley_terry_loss(*pair_scores(rm, batch))
+                loss = losses.mean()
+                metrics = {"loss": loss.item(), "margin": margin.mean().item(),
+                           "accuracy": (margin > 0).float().mean().item()}
+            loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(rm.parameters(), t.max_grad_norm)
             optimizer.step()
-            logger.log({"loss": losses.mean().item(), "margin": margin.mean().item(),
-                        "accuracy": (margin > 0).float().mean().item(), "grad_norm": norm.item()}, step, "rm")
+            logger.log({**metrics, "grad_norm": norm.item()}, step, "rm")
             progress.advance()
             if held and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
-                final = evaluate_pairs(rm, held, t.batch_size)
+                final = (evaluate_steps if process else evaluate_pairs)(rm, held, t.batch_size)
                 logger.log(final, step, "rm_eval")
     finally:
         progress.end()
         logger.close()
     checkpoint = run_dir / f"checkpoint-{t.steps}"
     staging = begin_checkpoint(checkpoint)
-    rm.save_head(staging, {"trained": {"steps": t.steps, "train_pairs": len(train_pairs),
-                                       "heldout": {k: final[k] for k in ("pairwise_accuracy", "ci_low", "ci_high",
-                                                                         "pairs", "prompts")} if final else None}})
+    kept = (("loss", "step_accuracy", "error_precision", "error_recall", "error_f1", "steps") if process else
+            ("pairwise_accuracy", "ci_low", "ci_high", "pairs", "prompts"))
+    rm.save_head(staging, {"trained": {"steps": t.steps, "train_rows" if process else "train_pairs": len(train_pairs),
+                                       "heldout": {k: final[k] for k in kept} if final else None}})
     save_checkpoint(checkpoint, rm.policy, cfg, {"step": t.steps, "kind": "reward_model"}, staged=True)
     return {"run_dir": str(run_dir), "checkpoint": str(checkpoint), "pairs": len(pairs),
             "train_pairs": len(train_pairs), "heldout_pairs": len(held), "final": final, "notes": notes,
