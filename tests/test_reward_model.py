@@ -209,3 +209,31 @@ def test_a_score_does_not_depend_on_the_answers_batched_with_it(trained_rm):
     both = compute_rewards(spec, ["4", "<answer>4</answer>"],
                            {k: v * 2 for k, v in columns.items()}).components["reward_model"]
     assert both[1] is not None and both[0] == pytest.approx(alone, abs=1e-5)
+
+
+def test_ensemble_disagreement_penalty_by_hand(trained_rm, tmp_path):
+    """Two members: the trained RM, and a copy whose head's bias is 1.0 higher, so every answer's scores are s and
+    s + 1: mean s + 0.5, standard deviation 0.5; with disagreement_coef 2: s - 0.5; ensemble min: s."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shifted = tmp_path / "shifted"
+    shutil.copytree(trained_rm["checkpoint"], shifted)
+    head = load_file(shifted / "reward_head.safetensors")
+    head["bias"] = head["bias"] + 1.0
+    save_file(head, shifted / "reward_head.safetensors")
+    s = make_task("shapes_count", 1, "test", seed=5)[0]
+    answers = [f"<answer>{s['solution']}</answer>", "7"]
+    columns = {k: [s[k]] * 2 for k in ("id", "problem", "solution", "images")}
+
+    def scores(**kwargs):
+        out = compute_rewards([RewardSpec("reward_model", kwargs=kwargs)], answers, columns)
+        return out.components["reward_model"], out.extra["reward_model"]
+
+    one, _ = scores(path=trained_rm["checkpoint"])
+    mean, metrics = scores(path=[trained_rm["checkpoint"], str(shifted)], disagreement_coef=2.0)
+    assert mean == pytest.approx([v - 0.5 for v in one], abs=1e-5)
+    assert metrics["disagreement"] == pytest.approx(0.5, abs=1e-5)
+    worst, _ = scores(path=[trained_rm["checkpoint"], str(shifted)], ensemble="min")
+    assert worst == pytest.approx(one, abs=1e-5)

@@ -309,6 +309,11 @@ class TrainerConfig:
     # same weights agree and the first PPO/GSPO ratio is 1 (TRL's disable_dropout)
     disable_dropout: bool = True
     no_signal_steps: Count = 20  # warn when this many RL steps in a row had no learning signal (0 = never warn)
+    # guards against gaming a learned reward (vlmrl/trainer/reward_guards.py): end the run, with a checkpoint and an
+    # evaluation of that step, when the mean per-token KL from the RL start over the last 10 steps passes kl_budget
+    # (the start is loaded as a reference when algorithm.beta is 0) ...
+    kl_budget: Positive | None = None
+    stop_on_overoptimisation: bool = False  # ... or when a learned reward rises while held-out accuracy falls
     wandb_project: Name | None = None  # also log to this Weights & Biases project (pip install 'vlmrl[wandb]')
 
 

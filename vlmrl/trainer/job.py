@@ -47,6 +47,7 @@ from vlmrl.trainer.distributed import (
 from vlmrl.trainer.dpo import OfflineDPO, synthetic_preferences
 from vlmrl.trainer.inputs import Datasets, PromptStream
 from vlmrl.trainer.replay import Replay
+from vlmrl.trainer.reward_guards import GuardStop
 from vlmrl.trainer.rl import StepContext, first_round_size, learn, rl_step
 
 
@@ -77,6 +78,7 @@ class RLJob:
     dpo: OfflineDPO | None = None
     wall_before: float = 0.0  # seconds of this run spent in earlier processes (up to the resumed checkpoint)
     notes: list[str] = field(default_factory=list)  # warnings the RL loop gave (repeated in the summary)
+    guard_stop: GuardStop | None = None  # set when a guard ended the run (vlmrl.trainer.reward_guards)
     t_start: float = 0.0  # time.perf_counter() when this process started
     rollouts: object | None = None  # vlmrl.trainer.asynchronous.AsyncRollouts (rollout.asynchronous)
     rollout_policy: Policy | None = None  # the copy asynchronous rollouts sample with (max_staleness > 0)
@@ -218,7 +220,7 @@ def prepare_rl(cfg: Config, policy: Policy, run_dir: Path, data: Datasets, rewar
     if t.disable_dropout:
         disable_dropout(policy.model)
     reference = None
-    if algo.beta > 0 or algo.policy_loss == "dpo" or offline_dpo:
+    if algo.beta > 0 or algo.policy_loss == "dpo" or offline_dpo or t.kl_budget is not None:
         # the RL start: a frozen copy (checkpoint-0 when resuming), or under LoRA the policy with adapters disabled
         reference = Reference.of(policy, None if resume_state is None else run_dir / "checkpoint-0", dtype=m.dtype,
                                  device=dist_info.device, min_pixels=m.min_pixels, max_pixels=m.max_pixels,

@@ -39,7 +39,7 @@ from vlmrl.trainer.asynchronous import check_pending
 from vlmrl.trainer.checkpoint import load_rank_rng, load_state, restore_rng
 from vlmrl.trainer.curriculum import difficulties
 from vlmrl.trainer.distill import load_teacher
-from vlmrl.trainer.distributed import NullLogger, barrier, broadcast_object, gathered, init_distributed
+from vlmrl.trainer.distributed import NullLogger, barrier, broadcast_object, gathered, init_distributed, rank_max
 from vlmrl.trainer.inputs import Datasets, load_datasets
 from vlmrl.trainer.job import RLJob, check_distributed, lr_lambda, prepare_rl, start_vllm
 from vlmrl.trainer.limits import check_data_fits, user_texts, uses_tools
@@ -47,6 +47,7 @@ from vlmrl.trainer.logger import MetricsLogger, rewind_logs
 from vlmrl.trainer.peers import peers_named
 from vlmrl.trainer.preempt import SaveClock, StopRequest, agreed_stop, step_decisions
 from vlmrl.trainer.resume import check_resume, find_resume_point, rewind_checkpoints
+from vlmrl.trainer.reward_guards import GuardStop, KLBudget
 from vlmrl.trainer.rollout_ranks import serve_rollouts, split_ranks
 from vlmrl.trainer.sft import sft_step
 from vlmrl.trainer.watch import (
@@ -313,7 +314,11 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
     try:  # (asynchronous rollouts: the producer stops after the final checkpoint saved what it made)
         with StopRequest(progress.message) as stop:  # also through the final evaluation and checkpoint
             stopped_at = rl_loop(job, data, rewards, logger, progress, point.step + 1 if point else 1, stop)
-            if stopped_at is not None:
+            if job.guard_stop is not None:  # a guard ended the run: that step's checkpoint and evaluation are its end
+                summary.update(final=job.guard_stop.held_out, guard_stop=job.guard_stop.reason, stopped_at=stopped_at,
+                               checkpoint=str(run_dir / f"checkpoint-{stopped_at}"))
+                stopped_at = None
+            elif stopped_at is not None:
                 summary.update(preempted=signal.Signals(stop.signum).name, stopped_at=stopped_at,
                                checkpoint=str(run_dir / f"checkpoint-{stopped_at}"),
                                resume=f"vlmrl train --resume {run_dir}")
@@ -336,7 +341,7 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
         if task_accuracies(summary["final"]):  # several tasks: which fell during RL (the CLI ends with the warning)
             summary["fallen_tasks"] = row["fallen_tasks"] = fallen_tasks(summary["start"], summary["final"])
             summary["fallen_warning"] = fallen_warning(summary["start"], summary["final"])
-        logger.log(row, cfg.trainer.steps, "summary")
+        logger.log(row, summary.get("stopped_at", cfg.trainer.steps), "summary")
     logger.close()
     return summary
 
@@ -344,12 +349,13 @@ def run_job(cfg: Config, progress: Progress | None, resume: str | Path | None) -
 def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, first_step: int,
             stop: StopRequest) -> int | None:
     """RL steps `first_step`..trainer.steps with their evaluations, rollout gallery and checkpoints. Returns None
-    when done, or the step after which a signal stopped the run (its checkpoint written)."""
+    when done, or the step after which a signal or a guard (`job.guard_stop`, vlmrl.trainer.reward_guards) stopped
+    the run (its checkpoint written; a guard's held-out evaluation of that step too)."""
     cfg, t, ctx = job.cfg, job.cfg.trainer, job.ctx
     clock, watches = SaveClock(t), (TruncationWatch(cfg), RewardFailureWatch(cfg), MismatchWatch(cfg))
     if not distilling_alone(cfg):  # (distilling alone, the teacher grades every answer and no reward differs)
         watches += (SignalWatch(cfg), SparseSignalWatch(cfg), UngradedWatch())
-    overoptimised = OverOptimisationWatch(cfg)
+    overoptimised, kl_budget = OverOptimisationWatch(cfg), KLBudget(cfg)
 
     def say(warning: str | None) -> None:  # a watch's warning: said once, kept in the run's notes
         if warning:
@@ -362,6 +368,7 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
             metrics, gallery = job.step(step)
             for w in watches:
                 say(w.update(step, metrics))
+            guard = kl_budget.update(step, metrics)
             logger.log(metrics, step, "train")
             if gallery and t.log_rollouts_every and (step % t.log_rollouts_every == 0 or step == 1):
                 logger.log_rollouts([{"step": step, **gallery}])
@@ -369,19 +376,27 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
             # every branch below turns on values all ranks agree on, so they run the same collectives
             eval_due = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
             stopping, saving = step_decisions(stop, clock, step, ctx.dist)
-            evaluated = eval_due and not stopping  # a stop leaves the evaluation to the resumed run
+            guarded = bool(rank_max([int(guard is not None)], ctx.dist)[0]) and not stopping
+            evaluated = (eval_due or guarded) and not stopping  # a stop leaves the evaluation to the resumed run
             if evaluated:
                 with gathered(ctx.forward):
                     held_out = run_eval(ctx.policy, cfg, data.eval, rewards, Progress(), f"step {step}")
                 logger.log(held_out, step, "eval")
-                say(overoptimised.update(step, held_out))  # a learned reward rising while accuracy falls
+                warning = overoptimised.update(step, held_out)  # a learned reward rising while accuracy falls
+                say(warning)
+                if warning and t.stop_on_overoptimisation and not guarded:
+                    guard, guarded = warning, True
                 stopping = agreed_stop(stop, ctx.dist)  # a signal during the evaluation
-            if saving or stopping:
+            if guarded and not stopping:  # a guard ends the run here: this step's checkpoint and evaluation
+                job.guard_stop = GuardStop(step, guard or "another rank's guard tripped", held_out)
+                progress.message(f"stopped by a guard: {job.guard_stop.reason}")
+                job.notes.append(f"stopped by a guard: {job.guard_stop.reason}")
+            if saving or stopping or guarded:
                 job.checkpoint(step, eval_pending=eval_due and not evaluated)
                 clock.saved()
-                if not stopping:
+                if not stopping and not guarded:
                     stopping = agreed_stop(stop, ctx.dist)  # a signal during the save
-            if stopping:
+            if stopping or guarded:
                 return step
     finally:
         progress.end()
