@@ -191,6 +191,18 @@ def test_best_of_n_by_hand():
     assert not best_of_n([None, float("nan")], [True, True])  # none scored: wrong, as every vote abstaining is
 
 
+def test_weighted_vote_by_hand():
+    from vlmrl.eval.metrics import weighted_vote
+
+    keys, right = ["3", "4", "4", "3", None], [True, False, False, True, False]
+    assert not weighted_vote(keys, [0.2, 0.3, 0.3, 0.1, 0.9], right)  # "4": 0.6 against "3": 0.3; None adds nothing
+    assert weighted_vote(keys, [0.5, 0.3, 0.1, 0.5, 0.9], right)  # "3": 1.0 against 0.4
+    assert weighted_vote(keys, [0.5, 0.25, 0.25, None, 0.0], right)  # a tie (0.5 each) goes to the key seen first
+    assert not weighted_vote([None, None], [0.5, 0.5], [True, True])
+    with pytest.raises(ValueError, match="negative"):
+        weighted_vote(keys, [-1.0, 0, 0, 0, 0], right)
+
+
 def test_write_rows_reads_back_as_user_data(tmp_path):
     from vlmrl.data import build_dataset
     from vlmrl.data.export import write_rows

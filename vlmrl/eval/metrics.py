@@ -147,6 +147,26 @@ def majority_vote(keys: Sequence[str | None], correct: Sequence[bool]) -> bool:
     return bool(correct[keys.index(winner)])
 
 
+def weighted_vote(keys: Sequence[str | None], scores: Sequence[float | None], correct: Sequence[bool]) -> bool:
+    """A reward model's weighted majority vote for one prompt (self-consistency weighted by a verifier, as Li et al.
+    2023 and Math-Shepherd select): each distinct answer key gets the sum of its answers' scores (which must not be
+    negative: a PRM's probabilities), and the key with the largest sum wins; ties go to the key seen first.
+    Abstaining (None) keys and unscored answers add nothing; nothing left counts as wrong."""
+    if not len(keys) == len(scores) == len(correct):
+        raise ValueError(f"weighted_vote: {len(keys)} keys, {len(scores)} scores, {len(correct)} flags")
+    totals: dict[str, float] = {}
+    for key, score in zip(keys, scores, strict=True):
+        if key is not None and score is not None and score == score:
+            if score < 0:
+                raise ValueError(f"weighted_vote: a negative score ({score}); weigh with probabilities")
+            totals[key] = totals.get(key, 0.0) + score
+    if not totals:
+        return False
+    best = max(totals.values())
+    winner = next(k for k in keys if k in totals and totals[k] == best)
+    return bool(correct[keys.index(winner)])
+
+
 def best_of_n(scores: Sequence[float | None], correct: Sequence[bool]) -> bool:
     """Best-of-n selection for one prompt: whether the answer a reward model scores highest is correct. A tie goes
     to the first; an answer the model could not score (None) is never picked, and if none could be, it counts as

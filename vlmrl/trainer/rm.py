@@ -213,8 +213,9 @@ def check_answer_lengths(rm: RewardModel, pairs: list[dict]) -> None:
                 continue
             length = int(answer_ids(rm.policy, [p[side]])[1].sum())
             if length > limit:
-                raise DataError(f"pair {p.get('id')!r}: its {side} answer is {length} tokens, past "
-                                f"data.max_answer_tokens={limit}; raise it or drop the pair")
+                what = "step-labelled row" if side == "completion" else "pair"
+                raise DataError(f"{what} {p.get('id')!r}: its {side} answer is {length} tokens, past "
+                                f"data.max_answer_tokens={limit}; raise it or drop the {what.split()[-1]}")
 
 
 def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
