@@ -230,3 +230,22 @@ def test_report_without_eval_samples_says_how_to_get_them(tmp_path):
     (run / "eval_samples.jsonl").unlink()
     page = write_report([run]).read_text()
     assert "--samples-out RUN_DIR/eval_samples.jsonl" in page
+
+
+def test_proxy_and_gold_are_plotted_for_a_run_against_a_learned_reward(tmp_path):
+    """A hand-written run whose learned reward rose while accuracy fell gets the proxy-and-gold figure, with its
+    KL panel where it logged `kl`; a run without a learned reward does not."""
+    run = tmp_path / "run"
+    run.mkdir()
+    evals = [(0, 0.51, 0.86), (50, 0.62, 1.20), (100, 0.58, 1.23), (150, 0.40, 1.26)]
+    rows = [{"phase": "eval", "step": s, "greedy/accuracy": a, "sampled/accuracy": a, "greedy/reward/reward_model": p}
+            for s, a, p in evals] + [{"phase": "train", "step": s, "accuracy": 0.5, "kl": s / 1000} for s in (1, 50,
+                                                                                                          150)]
+    (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    page = write_report([run]).read_text()
+    assert "proxy_gold.png" in page and (run / "report" / "proxy_gold.png").stat().st_size > 10_000
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "metrics.jsonl").write_text("\n".join(json.dumps({k: v for k, v in r.items() if "reward_model" not in k})
+                                                   for r in rows))
+    assert "proxy_gold.png" not in write_report([plain]).read_text()

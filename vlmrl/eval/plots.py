@@ -60,6 +60,50 @@ def eval_curves(runs: list[Run], out: Path) -> Path | None:
     return _save(fig, out / "eval_accuracy.png")
 
 
+LEARNED = ("reward_model", "judge")  # the learned rewards a run can be gamed through (the gold: greedy/accuracy)
+
+
+def proxy_gold_plot(runs: list[Run], out: Path) -> Path | None:
+    """The over-optimisation picture (Gao et al. 2023): each run's held-out learned reward (the proxy, right axis)
+    and held-out accuracy (the gold, left axis) at every evaluation, against the step and, where the run logged `kl`
+    (a reference was loaded), against the KL from the start (the mean `kl` of the train steps since the last
+    evaluation). None when no run trained against a learned reward."""
+    rows = []
+    for r in runs:
+        for name in LEARNED:
+            proxy = r.series("eval", f"greedy/reward/{name}")
+            if len(proxy) > 1:
+                rows.append((r, name, proxy, r.series("eval", "greedy/accuracy"), r.series("train", "kl")))
+    if not rows:
+        return None
+    plt = _pyplot()
+    with_kl = any(kl for *_, kl in rows)
+    fig, axes = plt.subplots(1, 2 if with_kl else 1, figsize=(11 if with_kl else 6.5, 4.0), squeeze=False)
+    for col, against in enumerate(["step", "kl"] if with_kl else ["step"]):
+        ax = axes[0][col]
+        twin = ax.twinx()
+        for k, (run, name, proxy, gold, kl) in enumerate(rows):
+            steps = sorted(set(proxy) & set(gold))
+            if against == "kl":
+                if not kl:
+                    continue
+                x = [sum(v for s, v in kl.items() if s <= step) / max(1, sum(s <= step for s in kl)) for step in steps]
+            else:
+                x = steps
+            label = run.name if len(rows) > 1 else ""
+            ax.plot(x, [gold[s] for s in steps], "o-", color=f"C{2 * k}", lw=1.6, label=f"gold: accuracy {label}")
+            twin.plot(x, [proxy[s] for s in steps], "s--", color=f"C{2 * k + 1}", lw=1.6,
+                      label=f"proxy: {name} {label}")
+        ax.set_xlabel("generation step" if against == "step" else "mean per-token KL from the start (train steps)")
+        ax.set_ylabel("held-out accuracy (gold)")
+        twin.set_ylabel("held-out learned reward (proxy)")
+        ax.grid(alpha=0.3)
+        lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+        ax.legend(lines, [h.get_label() for h in lines], fontsize=8, loc="best")
+    fig.suptitle("Proxy and gold: the learned reward against held-out accuracy")
+    return _save(fig, out / "proxy_gold.png")
+
+
 TRAIN_PANELS = [("accuracy", "train accuracy"), ("reward/total/mean", "reward (total)"),
                 ("response_length", "answer length (tokens)"), ("entropy", "entropy"),
                 ("clip_fraction", "clip fraction"), ("zero_variance_groups", "zero-variance groups"),

@@ -340,6 +340,9 @@ def write_report(paths: list[str | Path], out: str | Path | None = None) -> Path
                 "budget."),
                (plots.pass_at_k_plot(runs, out), "pass@k (unbiased estimator over n samples per prompt) at the "
                 "start and at the end of RL; error bars: std over seeds."),
+               (plots.proxy_gold_plot(runs, out), "A learned reward (the proxy) and held-out accuracy (the gold) at "
+                "every evaluation of a run trained against the learned reward: the proxy rising while the gold falls "
+                "is the policy learning to please the reward (docs/rewards.md, \"Watching for reward hacking\")."),
                (plots.train_curves(runs, out), "Training metrics at every generation step.")]
     btable = baselines_table(runs)
     bplot = plots.baselines_plot(btable, out)
