@@ -20,7 +20,7 @@ from vlmrl.rewards import RewardSpec, compute_rewards
 from vlmrl.rewards.reasoning import step_spans
 from vlmrl.trainer import prm_labels
 from vlmrl.trainer.prm import check_step_rows, process_loss, step_classification
-from vlmrl.trainer.rm import load_rm_config, train_reward_model
+from vlmrl.trainer.rm import load_rm_config
 
 
 def test_step_spans_in_think_blocks_and_outside_the_answer():
@@ -121,12 +121,10 @@ def _visible_step_file(tmp_path: Path, n: int = 48) -> Path:
 
 @pytest.fixture(scope="module")
 def trained_prm(tmp_path_factory, tiny_model_dir):
+    from tests.test_reward_model import train_small_rm
+
     tmp = tmp_path_factory.mktemp("prm")
-    cfg = load_rm_config(None, [f"data.steps.path={_visible_step_file(tmp)}", "data.heldout=0.25",
-                                "data.max_answer_tokens=24", f"model.name_or_path={tiny_model_dir}",
-                                "trainer.steps=40", "trainer.batch_size=8", "trainer.lr=1e-3", "trainer.eval_every=0",
-                                "trainer.threads=1", "trainer.tensorboard=false", f"trainer.output_dir={tmp / 'run'}"])
-    return train_reward_model(cfg)
+    return train_small_rm(tmp, f"data.steps.path={_visible_step_file(tmp)}", tiny_model_dir, 40, 24)
 
 
 def test_prm_learns_visible_step_labels_and_scores_answers_by_their_weakest_step(trained_prm):

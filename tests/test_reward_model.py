@@ -87,14 +87,20 @@ def _separable_pairs(tmp_path, n=48):
     return path
 
 
+def train_small_rm(tmp: Path, source: str, model_dir, steps: int, max_answer_tokens: int) -> dict:
+    """`vlmrl rm train` on `source` (data.pairs... or data.steps...) from the test model: a quarter of the prompts
+    held out, batches of 8, lr 1e-3, one thread."""
+    cfg = load_rm_config(None, [source, "data.heldout=0.25", f"data.max_answer_tokens={max_answer_tokens}",
+                                f"model.name_or_path={model_dir}", f"trainer.steps={steps}", "trainer.batch_size=8",
+                                "trainer.lr=1e-3", "trainer.eval_every=0", "trainer.threads=1",
+                                "trainer.tensorboard=false", f"trainer.output_dir={tmp / 'run'}"])
+    return train_reward_model(cfg)
+
+
 @pytest.fixture(scope="module")
 def trained_rm(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("rm")
-    cfg = load_rm_config(None, [f"data.pairs.path={_separable_pairs(tmp)}", "data.heldout=0.25",
-                                "data.max_answer_tokens=16", f"model.name_or_path={tiny_model_dir}",
-                                "trainer.steps=30", "trainer.batch_size=8", "trainer.lr=1e-3", "trainer.eval_every=0",
-                                "trainer.threads=1", "trainer.tensorboard=false", f"trainer.output_dir={tmp / 'run'}"])
-    return train_reward_model(cfg)
+    return train_small_rm(tmp, f"data.pairs.path={_separable_pairs(tmp)}", tiny_model_dir, 30, 16)
 
 
 def test_rm_learns_a_visible_preference_and_saves_a_loadable_folder(trained_rm):
