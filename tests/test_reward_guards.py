@@ -59,7 +59,7 @@ def test_stop_on_overoptimisation_ends_the_run_at_the_evaluation_that_saw_it(tmp
     monkeypatch.setattr(run_module, "OverOptimisationWatch", Tripping)
     summary = train(small_config(tmp_path, "trainer.steps=8", "trainer.eval_every=2",
                                  "trainer.stop_on_overoptimisation=true", "algorithm.dynamic_sampling=false"))
-    assert seen == [2, 4] and summary["stopped_at"] == 4
+    assert seen == [0, 2, 4] and summary["stopped_at"] == 4  # the start is the watch's first evaluation
     assert summary["guard_stop"] == "the learned reward rose while accuracy fell"
     assert (tmp_path / "run" / "checkpoint-4" / "COMPLETE").exists()
     monkeypatch.undo()

@@ -356,6 +356,8 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
     if not distilling_alone(cfg):  # (distilling alone, the teacher grades every answer and no reward differs)
         watches += (SignalWatch(cfg), SparseSignalWatch(cfg), UngradedWatch())
     overoptimised, kl_budget = OverOptimisationWatch(cfg), KLBudget(cfg)
+    if job.start_eval:  # the start is the first evaluation the watch compares with (a fall from it counts)
+        overoptimised.update(0, job.start_eval)
 
     def say(warning: str | None) -> None:  # a watch's warning: said once, kept in the run's notes
         if warning:
