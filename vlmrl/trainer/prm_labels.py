@@ -77,7 +77,8 @@ def label_steps(policy: Policy, samples: list[dict], answers: list[list[str]], c
                 hard: bool = False, template: str = "{problem}", seed: int = 0, chunk: int = 32) -> list[dict]:
     """Step-labelled rows for each sample's answers that have reasoning steps: {**sample, id (the sample's, #k for
     its k-th answer), group (the sample's id: its answers stay on one side of a held-out split), completion, labels,
-    continuations (right ones per step), correct (the answer's own verdict)}. Every step of every answer is continued `continuations` times from the prefix ending with it."""
+    continuations (right ones per step), correct (the answer's own verdict)}. Every step of every answer is continued
+    `continuations` times from the prefix ending with it."""
     jobs = []  # (sample index, answer text, step spans)
     for i, texts in enumerate(answers):
         for text in texts:
@@ -104,6 +105,7 @@ def label_steps(policy: Policy, samples: list[dict], answers: list[list[str]], c
         steps = [right[(i, j)] for j in range(len(spans))]
         sample_id = str(samples[s_i]["id"])
         count[sample_id] += 1
-        out.append({**samples[s_i], "id": f"{sample_id}#{count[sample_id]}", "group": sample_id, "completion": text, "labels": estimate_labels(steps, hard),
-                    "continuations": [sum(v) for v in steps], "correct": outcome[i]})
+        out.append({**samples[s_i], "id": f"{sample_id}#{count[sample_id]}", "group": sample_id, "completion": text,
+                    "labels": estimate_labels(steps, hard), "continuations": [sum(v) for v in steps],
+                    "correct": outcome[i]})
     return out
