@@ -243,3 +243,19 @@ def test_ensemble_disagreement_penalty_by_hand(trained_rm, tmp_path):
     assert metrics["disagreement"] == pytest.approx(0.5, abs=1e-5)
     worst, _ = scores(path=[trained_rm["checkpoint"], str(shifted)], ensemble="min")
     assert worst == pytest.approx(one, abs=1e-5)
+
+
+def test_a_run_logs_several_prompts_per_step_for_an_rm(tmp_path):
+    """trainer.log_rollouts_prompts: each logged step writes that many prompts (each with its G answers and
+    verdicts), which `vlmrl rm train data.rollouts` reads as more pairs."""
+    from tests.test_train_e2e import small_config
+    from vlmrl.trainer.run import train
+
+    train(small_config(tmp_path, "trainer.steps=2", "trainer.log_rollouts_every=1", "trainer.log_rollouts_prompts=2",
+                       "algorithm.dynamic_sampling=false"))
+    entries = [json.loads(x) for x in (tmp_path / "run" / "rollouts.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries] == [1, 1, 2, 2]
+    assert entries[0]["id"] != entries[1]["id"] and all(len(e["answers"]) == len(e["correct"]) == 3 for e in entries)
+    assert all((tmp_path / "run" / e["image"]).is_file() for e in entries)
+    _, report = pairs_from_rollouts(tmp_path / "run")
+    assert report.entries == 4

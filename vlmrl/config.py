@@ -301,6 +301,7 @@ class TrainerConfig:
     save_every_minutes: NonNegative = 10.0  # also checkpoint once this many minutes passed since the last one (0 = off)
     keep_checkpoints: Count = 2  # newest step checkpoints kept; checkpoint-0 and the final one always (0 = all)
     log_rollouts_every: Count = 25  # steps between rollout-gallery entries in rollouts.jsonl
+    log_rollouts_prompts: PositiveInt = 1  # prompts (each with its G answers) logged at such a step: more feed an RM
     output_dir: Name = "runs/quickstart"  # a non-empty folder: a numbered sibling instead (named at the start)
     tensorboard: bool = True
     threads: Count = 0  # torch CPU threads (0 = torch's default)

@@ -362,15 +362,15 @@ def score_step(ctx: StepContext, samples: list[dict], generated: tuple[tuple, in
 
 
 def rl_step(ctx: StepContext, samples: list[dict], draw: Callable[[int], list[dict]] | None = None,
-            markers: dict[str, tuple[str, ...]] | None = None) -> tuple[dict[str, float], dict]:
-    """One generation step: returns its metrics and a rollout-gallery entry for the first prompt. `markers`: the
+            markers: dict[str, tuple[str, ...]] | None = None) -> tuple[dict[str, float], list[dict]]:
+    """One generation step: returns its metrics and rollout-gallery entries for its first prompts. `markers`: the
     word lists whose answer shares are logged (default `marker_sets()`: reflection, backtracking)."""
     return learn(ctx, produce(ctx, samples, draw), markers)
 
 
 def learn(ctx: StepContext, produced: Produced, markers: dict[str, tuple[str, ...]] | None = None,
-          push_weights: bool = True) -> tuple[dict[str, float], dict]:
-    """Stages III + IV on a produced batch, then the step's metrics and gallery entry. `push_weights`: hand a vLLM
+          push_weights: bool = True) -> tuple[dict[str, float], list[dict]]:
+    """Stages III + IV on a produced batch, then the step's metrics and gallery entries (`gallery_entry`). `push_weights`: hand a vLLM
     engine the updated weights now (asynchronous rollouts push them when they next sample instead)."""
     batch, first, vision_calls = produced.batch, produced.first, produced.vision_calls
     t1 = time.perf_counter()
@@ -424,13 +424,21 @@ def learn(ctx: StepContext, produced: Produced, markers: dict[str, tuple[str, ..
     if device.type == "cuda":  # this rank's peak GPU memory during the step
         metrics["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated(device) / 1024**3
         torch.cuda.reset_peak_memory_stats(device)
-    s = first.samples[0]
-    gallery = {"id": s["id"], "problem": s["problem"], "solution": s["solution"], "answers": rollout.texts[:g],
-               "rewards": first.rewards.total[:g].tolist(), "correct": correct[:g],
-               "components": {k: v[:g] for k, v in first.rewards.components.items()},
-               "details": {k: v[:g] for k, v in getattr(first.rewards, "details", {}).items()},  # judge feedback
-               "image": (s.get("images") or [None])[0]}  # the logger saves it as RUN_DIR/gallery/*.png
-    if "turns" in rollout.columns:  # multi-turn: each answer's turns, their tool calls and the images tools returned
-        gallery["turns"] = [[{k: t[k] for k in ("text", "tool_calls", "errors", "images")} for t in episode]
-                            for episode in rollout.columns["turns"][:g]]
+    gallery = [gallery_entry(first, p, g) for p in range(min(ctx.trainer.log_rollouts_prompts, len(first.samples)))]
     return metrics, gallery
+
+
+def gallery_entry(first, p: int, g: int) -> dict:
+    """The rollout-gallery entry of prompt `p` of a step's first round: its G answers, rewards, verdicts, components,
+    the judge's feedback, the image (the logger saves it as RUN_DIR/gallery/*.png) and a multi-turn answer's turns."""
+    s, rows = first.samples[p], slice(p * g, (p + 1) * g)
+    rollout = first.rollout
+    entry = {"id": s["id"], "problem": s["problem"], "solution": s["solution"], "answers": rollout.texts[rows],
+             "rewards": first.rewards.total[rows].tolist(), "correct": first.correct[rows],
+             "components": {k: v[rows] for k, v in first.rewards.components.items()},
+             "details": {k: v[rows] for k, v in getattr(first.rewards, "details", {}).items()},  # judge feedback
+             "image": (s.get("images") or [None])[0]}
+    if "turns" in rollout.columns:  # multi-turn: each answer's turns, their tool calls and the images tools returned
+        entry["turns"] = [[{k: t[k] for k in ("text", "tool_calls", "errors", "images")} for t in episode]
+                          for episode in rollout.columns["turns"][rows]]
+    return entry

@@ -4,7 +4,7 @@ pairs by prompt.
 A run's rollout gallery (RUN/rollouts.jsonl: one logged prompt every `trainer.log_rollouts_every` steps, with its G
 answers and each answer's verdict `correct` from the run's verifiable reward, `solved.reward`) gives pairs
 (chosen = a right answer, rejected = a wrong one to the same prompt). Set `trainer.log_rollouts_every: 1` on the run
-to log a prompt every step.
+to log every step, and `trainer.log_rollouts_prompts` to log more than its first prompt.
 """
 
 from __future__ import annotations

@@ -373,7 +373,7 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
             guard = kl_budget.update(step, metrics)
             logger.log(metrics, step, "train")
             if gallery and t.log_rollouts_every and (step % t.log_rollouts_every == 0 or step == 1):
-                logger.log_rollouts([{"step": step, **gallery}])
+                logger.log_rollouts([{"step": step, **entry} for entry in gallery])
             progress.advance(reward=f"{metrics['reward/total/mean']:.2f}", acc=f"{metrics['accuracy']:.2f}")
             # every branch below turns on values all ranks agree on, so they run the same collectives
             eval_due = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
