@@ -23,25 +23,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
+from prm_digits import vlmrl  # noqa: E402  (one way to run a vlmrl command, logged and timed)
 from smoke import TINY_MODEL  # noqa: E402
 
 TASK = "shapes_color"
-
-
-def vlmrl(args: list[str], log: Path) -> None:
-    t0 = time.perf_counter()
-    with open(log, "w") as f:
-        done = subprocess.run([sys.executable, "-m", "vlmrl", *args], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    if done.returncode:
-        sys.exit(f"vlmrl {' '.join(args[:2])} failed ({done.returncode}); see {log}")
-    print(f"  vlmrl {args[0]} -> {log.stem}: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def evals(run: Path) -> list[dict]:
@@ -57,21 +47,21 @@ def run_seed(seed: int, a, out: Path) -> dict:
             f"data.eval={{task: {TASK}, n: {a.eval}}}", f"trainer.seed={seed}", f"trainer.threads={a.threads}",
             *a.overrides]
     start = out / "start"
-    vlmrl(["train", *data, "trainer.steps=0", f"trainer.output_dir={start}"], out / "start.log")
+    vlmrl("train", *data, "trainer.steps=0", f"trainer.output_dir={start}", log=out / "start.log")
     rm = out / "rm"
-    vlmrl(["rm", "train", f"data.pairs={{task: {TASK}, n: {a.pairs}}}", f"model.name_or_path={start}/checkpoint-0",
-           f"trainer.steps={a.rm_steps}", f"trainer.seed={seed}", f"data.seed={seed}", f"trainer.threads={a.threads}",
-           f"trainer.output_dir={rm}"], out / "rm.log")
+    vlmrl("rm", "train", f"data.pairs={{task: {TASK}, n: {a.pairs}}}", f"model.name_or_path={start}/checkpoint-0",
+          f"trainer.steps={a.rm_steps}", f"trainer.seed={seed}", f"data.seed={seed}", f"trainer.threads={a.threads}",
+          f"trainer.output_dir={rm}", log=out / "rm.log")
     info = json.loads(next(rm.glob("checkpoint-*/reward_model.json")).read_text())
     arms = {"unguarded": [], "guarded": ["trainer.stop_on_overoptimisation=true"],
             "kl_budget": [f"trainer.kl_budget={a.kl_budget}"]}
     result = {"seed": seed, "rm_heldout": info["trained"]["heldout"], "arms": {}}
     for arm in a.arms:
         run = out / arm
-        vlmrl(["train", *data, f"model.name_or_path={start}/checkpoint-0", "sft.steps=0", f"trainer.steps={a.steps}",
-               f"trainer.eval_every={a.eval_every}", "trainer.log_rollouts_every=0",
-               f"rewards=[{{name: reward_model, path: {rm}}}, {{name: accuracy, weight: 0.0}}]",
-               *arms[arm], f"trainer.output_dir={run}"], out / f"{arm}.log")
+        vlmrl("train", *data, f"model.name_or_path={start}/checkpoint-0", "sft.steps=0", f"trainer.steps={a.steps}",
+              f"trainer.eval_every={a.eval_every}", "trainer.log_rollouts_every=0",
+              f"rewards=[{{name: reward_model, path: {rm}}}, {{name: accuracy, weight: 0.0}}]",
+              *arms[arm], f"trainer.output_dir={run}", log=out / f"{arm}.log")
         log = (out / f"{arm}.log").read_text()
         result["arms"][arm] = {"evals": evals(run), "warned": "learning to please the reward" in log,
                                "guard_stop": next((line.split("stopped by a guard: ", 1)[1][:160]

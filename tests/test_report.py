@@ -244,6 +244,11 @@ def test_proxy_and_gold_are_plotted_for_a_run_against_a_learned_reward(tmp_path)
     (run / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     page = write_report([run]).read_text()
     assert "proxy_gold.png" in page and (run / "report" / "proxy_gold.png").stat().st_size > 10_000
+    from vlmrl.eval.plots import window_mean
+
+    kl = {1: 0.001, 50: 0.05, 150: 0.15}  # each evaluation's x: the mean kl of the train steps since the one before
+    assert [window_mean(kl, a, b) for a, b in [(-1, 0), (0, 50), (50, 100), (100, 150)]] == pytest.approx(
+        [0.0, 0.0255, 0.05, 0.15])
     plain = tmp_path / "plain"
     plain.mkdir()
     (plain / "metrics.jsonl").write_text("\n".join(json.dumps({k: v for k, v in r.items() if "reward_model" not in k})

@@ -63,6 +63,15 @@ def eval_curves(runs: list[Run], out: Path) -> Path | None:
 LEARNED = ("reward_model", "judge")  # the learned rewards a run can be gamed through (the gold: greedy/accuracy)
 
 
+def window_mean(series: dict[int, float], after: int, upto: int) -> float:
+    """The mean of `series` over steps in (after, upto]; the last value at or before `upto` when there is none."""
+    values = [v for s, v in series.items() if after < s <= upto]
+    if values:
+        return sum(values) / len(values)
+    earlier = [s for s in series if s <= upto]
+    return series[max(earlier)] if earlier else 0.0
+
+
 def proxy_gold_plot(runs: list[Run], out: Path) -> Path | None:
     """The over-optimisation picture (Gao et al. 2023): each run's held-out learned reward (the proxy, right axis)
     and held-out accuracy (the gold, left axis) at every evaluation, against the step and, where the run logged `kl`
@@ -87,7 +96,7 @@ def proxy_gold_plot(runs: list[Run], out: Path) -> Path | None:
             if against == "kl":
                 if not kl:
                     continue
-                x = [sum(v for s, v in kl.items() if s <= step) / max(1, sum(s <= step for s in kl)) for step in steps]
+                x = [window_mean(kl, before, step) for before, step in zip([-1, *steps[:-1]], steps, strict=True)]
             else:
                 x = steps
             label = run.name if len(rows) > 1 else ""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -103,7 +104,7 @@ def aggregate_steps(probabilities: list[float], how: str = "min") -> float | Non
     if how == "min":
         return min(probabilities)
     if how == "product":
-        return float(torch.tensor(probabilities, dtype=torch.float64).prod())
+        return math.prod(probabilities)
     if how == "last":
         return probabilities[-1]
     if how == "mean":

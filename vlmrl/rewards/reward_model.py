@@ -154,22 +154,29 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
     return RewardBatch(values, extra)
 
 
-def answer_scores(rm: RewardModel, prompts, rows, texts: list[str], finished: list[bool]) -> list[float | None]:
-    """Each answer's score: an outcome RM's scalar, or a process RM's step probabilities (sigmoid of its step
-    logits, each read after the step's last token) aggregated as its reward_model.json says (None for an answer
-    without reasoning steps)."""
-    import torch
-
-    from vlmrl.models.reward_model import aggregate_steps, answer_ids, step_token_ends
+def text_step_logits(rm: RewardModel, prompts, rows, texts: list[str], finished: list[bool] | None = None):
+    """A process RM's step logits of each answer text (a tensor of one per step): its steps split as its
+    reward_model.json says (`step_spans`), each read after the step's last token."""
+    from vlmrl.models.reward_model import answer_ids, step_token_ends
     from vlmrl.rewards.reasoning import step_spans
 
-    ids, mask = answer_ids(rm.policy, texts, finished)
-    if rm.kind == "outcome":
-        return rm.score(prompts, rows, ids, mask).tolist()
     cfg = rm.info["process"]
+    ids, mask = answer_ids(rm.policy, texts, finished)
     spans = [step_spans(t, cfg["split"], cfg["think_tag"]) for t in texts]
-    logits = rm.step_logits(prompts, rows, ids, mask, step_token_ends(rm.policy, texts, spans))
-    return [aggregate_steps(torch.sigmoid(x).tolist(), cfg["aggregate"]) for x in logits]
+    return rm.step_logits(prompts, rows, ids, mask, step_token_ends(rm.policy, texts, spans))
+
+
+def answer_scores(rm: RewardModel, prompts, rows, texts: list[str], finished: list[bool]) -> list[float | None]:
+    """Each answer's score: an outcome RM's scalar, or a process RM's step probabilities (sigmoid of its step
+    logits) aggregated as its reward_model.json says (None for an answer without reasoning steps)."""
+    import torch
+
+    from vlmrl.models.reward_model import aggregate_steps, answer_ids
+
+    if rm.kind == "outcome":
+        return rm.score(prompts, rows, *answer_ids(rm.policy, texts, finished)).tolist()
+    logits = text_step_logits(rm, prompts, rows, texts, finished)
+    return [aggregate_steps(torch.sigmoid(x).tolist(), rm.info["process"]["aggregate"]) for x in logits]
 
 
 def _member_scores(rm: RewardModel, path: str, completions: list[str], samples: list[dict], truncated: list[bool],

@@ -18,8 +18,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from vlmrl.errors import DataError
-from vlmrl.models.reward_model import RewardModel, answer_ids, step_token_ends
+from vlmrl.models.reward_model import RewardModel
 from vlmrl.rewards.reasoning import step_spans
+from vlmrl.rewards.reward_model import text_step_logits
 
 
 def process_loss(logits: list[Tensor], labels: list[list[float]]) -> Tensor:
@@ -60,12 +61,7 @@ def check_step_rows(rows: list[dict], split: str, think_tag: str, skip: bool = F
 
 def row_logits(rm: RewardModel, rows: list[dict]) -> list[Tensor]:
     """The PRM's step logits of each row's completion (its prompt's images encoded once per row)."""
-    cfg = rm.info["process"]
-    texts = [r["completion"] for r in rows]
-    ids, mask = answer_ids(rm.policy, texts)
-    spans = [step_spans(t, cfg["split"], cfg["think_tag"]) for t in texts]
-    return rm.step_logits(rm.prompts(rows), torch.arange(len(rows)), ids, mask,
-                          step_token_ends(rm.policy, texts, spans))
+    return text_step_logits(rm, rm.prompts(rows), torch.arange(len(rows)), [r["completion"] for r in rows])
 
 
 def step_classification(probabilities: list[float], labels: list[float]) -> dict[str, float]:

@@ -378,7 +378,9 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
             # every branch below turns on values all ranks agree on, so they run the same collectives
             eval_due = bool(t.eval_every) and step % t.eval_every == 0 and step != t.steps
             stopping, saving = step_decisions(stop, clock, step, ctx.dist)
-            guarded = bool(rank_max([int(guard is not None)], ctx.dist)[0]) and not stopping
+            # (a collective only when a budget is set: every rank has the same config)
+            guarded = kl_budget.budget is not None and bool(rank_max([int(guard is not None)], ctx.dist)[0])
+            guarded = guarded and not stopping
             evaluated = (eval_due or guarded) and not stopping  # a stop leaves the evaluation to the resumed run
             if evaluated:
                 with gathered(ctx.forward):
