@@ -396,20 +396,20 @@ runpy.run_module("vlmrl", run_name="__main__")
 @pytest.mark.slow  # ~60 s
 def test_a_rollout_rank_waits_through_a_training_phase_longer_than_the_group_timeout(tmp_path):
     """The rollout rank waits for the training ranks' first message through their whole SFT warm-start. With torch's
-    default group timeout (30 minutes; cut to 10 s here, with an SFT of ~25 s) the rollout rank died and torchrun
+    default group timeout (30 minutes; cut to 10 s here, with an SFT of ~35 s) the rollout rank died and torchrun
     ended the run without its final checkpoint; its wait is now ROLLOUT_RANK_IDLE (vlmrl/deadlines.py)."""
     launcher = tmp_path / "short_groups.py"
     launcher.write_text(SHORT_GROUPS)
     args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(launcher), "train", GRPO, *SMALL,
-            *STEPS, "sft.steps=2500", "sft.batch_size=4", f"trainer.output_dir={tmp_path / 'run'}",
+            *STEPS, "sft.steps=3500", "sft.batch_size=4", f"trainer.output_dir={tmp_path / 'run'}",
             "trainer.distributed=ddp", "rollout.asynchronous=true", "rollout.rollout_ranks=1", "trainer.eval_every=0"]
     done = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=400,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert (tmp_path / "run" / "checkpoint-2").exists()
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    # the rollout rank's first wait spans the training ranks' SFT: ~30 s of the run, longer than the cut timeout
-    assert [r for r in rows if r["phase"] == "summary"][0]["wall_seconds"] > 20
+    # the rollout rank's first wait spans the training ranks' SFT: ~35 s of the run, well past the cut 10 s timeout
+    assert [r for r in rows if r["phase"] == "summary"][0]["wall_seconds"] > 15
 
 
 def test_rollout_ranks_are_refused_where_they_cannot_run():
