@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 import sys
@@ -34,6 +35,17 @@ HEADLINE = ["comp/acc", "t2i/R@1"]
 ROWS = ["comp/acc", "comp/relation", "comp/binding", "comp/color", "comp/shape", "comp/count", "comp/all",
         "t2i/R@1", "t2i/R@5", "t2i/R@10", "t2i/semantic_R@1", "i2t/R@1", "i2t/R@5", "i2t/R@10",
         "zeroshot/colour", "zeroshot/shape", "zeroshot/count", "zeroshot/mean"]
+
+
+# arms beyond the three methods: the recipe's ReCLIP with these overrides of rl.* / judge.* (the ablations)
+ZERO = {"colour": 0.0, "shape": 0.0, "count": 0.0, "relation": 0.0, "missing": 0.0, "extra": 0.0, "other": 0.0}
+VARIANTS = {
+    "reclip_scalar": {"rl.counterfactuals": 0},  # the reasons reach the gradient only through the scalar reward
+    "reclip_verdict": {"rl.counterfactuals": 0, "judge.penalties": ZERO},  # the words dropped: the verdict alone
+    "reclip_cf": {"rl.counterfactuals": 4},  # the reasons as counterfactual captions (the default, see docs/reclip.md)
+    "reclip_cf_verdict": {"rl.counterfactuals": 4, "judge.penalties": ZERO},  # counterfactuals, verdict-only reward
+}
+ARMS = ["infonce", "reclip", "negclip", *VARIANTS]
 
 
 class Log(Progress):
@@ -56,6 +68,22 @@ def negclip_phase(job: Job) -> dict[str, float]:
     return result
 
 
+def variant(job: Job, arm: str):
+    """Point the job's rl / judge settings at `arm`'s (a fresh judgement cache: rewards depend on the penalties);
+    returns a function that restores them."""
+    rl, judge, scorer = job.cfg.rl, job.cfg.judge, job.ctx.scorer
+    changes = VARIANTS.get(arm, {})
+    new_rl = dataclasses.replace(rl, **{k[3:]: v for k, v in changes.items() if k.startswith("rl.")})
+    new_judge = dataclasses.replace(judge, **{k[6:]: v for k, v in changes.items() if k.startswith("judge.")})
+    job.cfg.rl, job.ctx.rl, job.cfg.judge, scorer.cfg = new_rl, new_rl, new_judge, new_judge
+    scorer.cache.clear()
+
+    def restore():
+        job.cfg.rl, job.ctx.rl, job.cfg.judge, scorer.cfg = rl, rl, judge, judge
+        scorer.cache.clear()
+    return restore
+
+
 def run_seed(recipe: str | None, overrides: list[str], seed: int, out_dir: Path, arms: list[str]) -> dict:
     cfg = load_reclip_config(recipe, overrides + [f"trainer.seed={seed}", f"trainer.output_dir={out_dir}/seed{seed}",
                                                   "trainer.save_students=false"])
@@ -75,6 +103,10 @@ def run_seed(recipe: str | None, overrides: list[str], seed: int, out_dir: Path,
         t = time.perf_counter()
         if arm == "negclip":
             result[arm] = negclip_phase(job)
+        elif arm in VARIANTS:
+            restore = variant(job, arm)
+            result[arm] = rl_phase(job, Progress(), "reclip", phase=f"train_{arm}")
+            restore()
         else:
             result[arm] = rl_phase(job, Progress(), arm, phase=f"train_{arm}")
         seconds[arm] = time.perf_counter() - t
@@ -93,28 +125,32 @@ def aggregate(results: list[dict], arms: list[str]) -> dict:
             values = [r[column][key] for r in results if key in r[column]]
             if values:
                 out[column][key] = (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
-    if "reclip" in arms and "infonce" in arms:
-        out["reclip-infonce"] = {}
-        for key in ROWS:
-            diffs = [r["reclip"][key] - r["infonce"][key] for r in results if key in r["reclip"]]
-            if diffs:
-                out["reclip-infonce"][key] = (statistics.mean(diffs), statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
-                                              sum(d > 0 for d in diffs))
+    for base in ("infonce", "negclip"):
+        if "reclip" in arms and base in arms:
+            out[f"reclip-{base}"] = {}
+            for key in ROWS:
+                diffs = [r["reclip"][key] - r[base][key] for r in results if key in r["reclip"]]
+                if diffs:
+                    out[f"reclip-{base}"][key] = (statistics.mean(diffs),
+                                                  statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                                                  sum(d > 0 for d in diffs))
     return out
 
 
 def markdown(agg: dict, arms: list[str], n: int) -> str:
-    names = {"warm": "warm-start", "infonce": "+ InfoNCE", "reclip": "+ ReCLIP", "negclip": "+ NegCLIP (control)"}
+    names = {"warm": "warm-start", "infonce": "+ InfoNCE", "reclip": "+ ReCLIP", "negclip": "+ NegCLIP (control)",
+             **{v: f"+ {v}" for v in VARIANTS}}
     cols = ["warm", *arms]
-    lines = ["| held-out metric (%) | " + " | ".join(names[c] for c in cols)
-             + (" | ReCLIP − InfoNCE (wins) |" if "reclip-infonce" in agg else " |"),
-             "|---" * (len(cols) + 1 + ("reclip-infonce" in agg)) + "|"]
+    diffs = [d for d in ("reclip-infonce", "reclip-negclip") if d in agg]
+    heads = {"reclip-infonce": "ReCLIP − InfoNCE (wins)", "reclip-negclip": "ReCLIP − NegCLIP (wins)"}
+    lines = ["| held-out metric (%) | " + " | ".join([names[c] for c in cols] + [heads[d] for d in diffs]) + " |",
+             "|---" * (len(cols) + 1 + len(diffs)) + "|"]
     for key in ROWS:
         if key not in agg["warm"]:
             continue
         cells = [f"{100 * agg[c][key][0]:.1f} ± {100 * agg[c][key][1]:.1f}" for c in cols]
-        if "reclip-infonce" in agg:
-            d, s, wins = agg["reclip-infonce"][key]
+        for name in diffs:
+            d, s, wins = agg[name][key]
             cells.append(f"{100 * d:+.1f} ± {100 * s:.1f} ({wins}/{n})")
         bold = key in HEADLINE
         lines.append(f"| {'**' + key + '**' if bold else key} | " + " | ".join(cells) + " |")
@@ -126,7 +162,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="dotted recipe overrides, e.g. rl.steps=100")
     p.add_argument("--recipe", default="recipes/reclip_shapes.yaml")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--arms", nargs="+", default=["infonce", "reclip"], choices=["infonce", "reclip", "negclip"])
+    p.add_argument("--arms", nargs="+", default=["infonce", "reclip"], choices=ARMS)
     p.add_argument("--out", default="runs/reclip-bench/results.json")
     p.add_argument("--tables-only", nargs="+", metavar="RESULTS_JSON",
                    help="print the table of the seeds in these --out files (e.g. two runs of different seeds)")

@@ -59,10 +59,15 @@ def cmd_train(args) -> int:
 
         print(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         return 0
+    import os
+
     from vlmrl.progress import BarProgress
     from vlmrl.reclip.trainer import train_reclip
+    from vlmrl.trainer.run import Progress
 
-    summary = train_reclip(cfg, BarProgress())
+    summary = train_reclip(cfg, BarProgress() if os.environ.get("RANK", "0") == "0" else Progress())
+    if summary["rank"] != 0:  # under torchrun rank 0 reports
+        return 0
     print(f"\nrun directory: {summary['run_dir']}")
     print(_table({"warm-start": summary["start"], f"after {cfg.rl.method}": summary["final"]}))
     print(f"wall time: {summary['wall_seconds']:.0f} s; student: {summary.get('student', '(not saved)')}")

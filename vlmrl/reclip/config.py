@@ -72,6 +72,9 @@ class RLConfig:
     bank_size: Count = 2000  # training items in the memory bank (detached embeddings) added to the pool; 0 = batch only
     bank_refresh: PositiveInt = 25  # steps between re-embedding the bank (a fresh random subset when bank_size < n)
     anchor_weight: NonNegative = 1.0  # + weight * InfoNCE on the batch's texts (hard negatives included when drawn)
+    # the words as a dense signal: per truth, up to this many counterfactual captions (its caption edited by the
+    # reasons of its likeliest judged misses) join the anchor as its own negatives; 0 = reasons reach only the reward
+    counterfactuals: Count = 0
     kl_weight: NonNegative = 0.0  # + weight * KL(pi_start || pi) on the batch: distillation to the warm-start student
     max_grad_norm: Positive = 1.0
 
@@ -104,6 +107,9 @@ class ReclipTrainerConfig:
     log_every: PositiveInt = 10  # steps between metric rows
     eval_every: Count = 0  # RL steps between held-out evaluations (0 = only before and after)
     save_students: bool = True  # write RUN_DIR/student-start and RUN_DIR/student (standalone, loadable folders)
+    # under torchrun: "ddp" = each rank embeds, judges and backpropagates its share of every batch, the pool is the
+    # global batch (embeddings gathered with their gradients) and gradients are summed (vlmrl/reclip/parallel.py)
+    distributed: Literal["none", "ddp"] = "none"
 
 
 @section
@@ -134,6 +140,9 @@ RULES: tuple[Rule, ...] = (
     Rule(("rl.candidates", "rl.batch_size"), "`rl.candidates` <= `rl.batch_size`", lambda c: (
         f"rl.candidates={c.rl.candidates} > rl.batch_size={c.rl.batch_size}: the batch is the candidate pool; "
         f"lower rl.candidates or raise rl.batch_size") if c.rl.candidates > c.rl.batch_size else None),
+    Rule(("rl.counterfactuals", "rl.anchor_weight"), "`rl.counterfactuals` needs `rl.anchor_weight` > 0", lambda c: (
+        "rl.counterfactuals: the counterfactual captions join the anchor's InfoNCE; set rl.anchor_weight > 0 or "
+        "rl.counterfactuals=0") if c.rl.counterfactuals and not c.rl.anchor_weight else None),
     Rule(("judge.verdict_weights", "judge.penalties"), "`judge.verdict_weights` has exactly the verdicts as keys; "
          "weights and penalties are finite numbers", _judge_weights),
 )

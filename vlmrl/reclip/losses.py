@@ -71,13 +71,22 @@ def reinforce_loss(logp: torch.Tensor, candidates: torch.Tensor, advantages: tor
     return -(advantages.detach() * picked).sum(-1).mean()
 
 
-def info_nce(sim: torch.Tensor, scale: torch.Tensor | float, targets: torch.Tensor | None = None) -> torch.Tensor:
+def info_nce(sim: torch.Tensor, scale: torch.Tensor | float, targets: torch.Tensor | None = None,
+             rows: tuple[int, int] | None = None) -> torch.Tensor:
     """Symmetric InfoNCE of CLIP on [B, C] image-text similarities (C >= B: extra columns are extra texts, e.g. hard
-    negatives): ( CE(scale * sim, t) over texts + CE(scale * sim[:, :B].T, t) over images ) / 2, t = arange(B)."""
+    negatives): ( CE(scale * sim, t) over texts + CE(scale * sim[:, :B].T, t) over images ) / 2, t = arange(B).
+
+    `rows` = (lo, hi): only the terms of images lo..hi-1 and captions lo..hi-1, as their share of the mean over B
+    (the shares of disjoint row ranges sum to the whole loss: how ranks split it, vlmrl.reclip.parallel)."""
     b = sim.shape[0]
     targets = torch.arange(b, device=sim.device) if targets is None else targets
     logits = sim * scale
-    return 0.5 * (F.cross_entropy(logits, targets) + F.cross_entropy(logits[:, :b].t(), targets))
+    if rows is None:
+        return 0.5 * (F.cross_entropy(logits, targets) + F.cross_entropy(logits[:, :b].t(), targets))
+    lo, hi = rows
+    t = targets[lo:hi]
+    return 0.5 * (F.cross_entropy(logits[lo:hi], t, reduction="sum")
+                  + F.cross_entropy(logits[:, :b].t()[lo:hi], t, reduction="sum")) / b
 
 
 def distill_kl(logp_student: torch.Tensor, logp_reference: torch.Tensor) -> torch.Tensor:

@@ -9,14 +9,14 @@ side through the batch part of the pool.
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 
 import torch
 
 from vlmrl.cache import BoundedLRU
 from vlmrl.reclip.config import JudgeConfig, RLConfig
-from vlmrl.reclip.feedback import compress, feedback_reward
+from vlmrl.reclip.counterfactual import gather
+from vlmrl.reclip.feedback import Feedback, compress, feedback_reward
 from vlmrl.reclip.judge import Judge, View
 from vlmrl.reclip.losses import (
     distill_kl,
@@ -27,6 +27,7 @@ from vlmrl.reclip.losses import (
     reinforce_loss,
     retrieval_logprobs,
 )
+from vlmrl.reclip.parallel import SINGLE, Parallel
 from vlmrl.reclip.scenes import CaptionItem, Description
 from vlmrl.reclip.store import InputStore
 from vlmrl.reclip.students import TwoTower
@@ -42,9 +43,9 @@ class TextRef:
     negative: str | None = None
 
 
-def _judged_bytes(key: tuple, value: tuple[float, str]) -> int:
+def _judged_bytes(key: tuple, value: tuple[float, Feedback]) -> int:
     """A remembered judgement: the key's text, the feedback's and the objects around them."""
-    return len(repr(key)) + sys.getsizeof(value[1]) + 128
+    return len(repr(key)) + 2 * len(str(value[1])) + 256
 
 
 class Scorer:
@@ -52,18 +53,20 @@ class Scorer:
 
     def __init__(self, judge: Judge, cfg: JudgeConfig):
         self.judge, self.cfg = judge, cfg
-        self.cache: BoundedLRU[tuple, tuple[float, str]] = BoundedLRU(64 * 2**20, 262_144, _judged_bytes)
+        self.cache: BoundedLRU[tuple, tuple[float, Feedback]] = BoundedLRU(64 * 2**20, 262_144, _judged_bytes)
         self.counts: dict[str, float] = {}
         self.gallery: list[dict] = []
+        self.new: list[tuple[tuple, tuple[float, Feedback]]] = []  # this step's fresh judgements (shared across ranks)
 
     def count(self, name: str, n: float = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
 
-    def __call__(self, key: tuple, query: View, retrieved: View, truth: View) -> float | None:
+    def __call__(self, key: tuple, query: View, retrieved: View, truth: View) -> tuple[float, Feedback] | None:
+        """(reward, the compressed feedback) of one judged candidate; None when the judge failed (counted)."""
         hit = self.cache.get(key)
         if hit is not None:
             self.count("judge/cache_hits")
-            return hit[0]
+            return hit
         self.count("judge/calls")
         try:
             feedback = self.judge(query, retrieved, truth)
@@ -77,15 +80,24 @@ class Scorer:
         for reason in feedback.reasons:
             self.count(f"feedback/reasons/{reason.attribute}")
         reward = feedback_reward(feedback, self.cfg.verdict_weights, self.cfg.penalties, self.cfg.min_reward)
-        self.cache.put(key, (reward, str(feedback)))
+        self.cache.put(key, (reward, feedback))
+        self.new.append((key, (reward, feedback)))
         if len(self.gallery) < 8:
             self.gallery.append({"query": query.text or "<image>", "truth": truth.text, "retrieved": retrieved.text,
                                  "feedback": str(feedback), "reward": reward})
-        return reward
+        return reward, feedback
 
     def take_counts(self) -> dict[str, float]:
         out, self.counts = self.counts, {}
         return out
+
+    def share(self, par: Parallel) -> None:
+        """Every rank's fresh judgements of this step into every rank's memo (one process: nothing to do)."""
+        new, self.new = self.new, []
+        if par.world > 1:
+            for key, value in par.share(new):
+                if self.cache.get(key) is None:
+                    self.cache.put(key, value)
 
 
 @dataclass
@@ -111,6 +123,7 @@ class StepContext:
     generator: torch.Generator
     reference: TwoTower | None = None
     bank: Bank | None = None
+    par: Parallel = SINGLE  # under torchrun: this rank's share of the rows (vlmrl.reclip.parallel)
 
 
 def item_view(item: CaptionItem) -> View:
@@ -125,12 +138,18 @@ def batch_texts(items: list[CaptionItem], idx: list[int], negatives: bool) -> li
     return refs
 
 
-def embed_batch(student: TwoTower, store: InputStore, idx: list[int], texts: list[TextRef]):
-    return student.embed_images(store.images(idx)), student.embed_texts(store.texts([t.text for t in texts]))
+def embed_batch(student: TwoTower, store: InputStore, idx: list[int], texts: list[TextRef], par: Parallel = SINGLE,
+                grad: bool = True):
+    """The batch's image and text embeddings, every row on every rank (each rank embeds its share; see parallel)."""
+    img = par.embed(lambda rows: student.embed_images(store.images(rows)), list(idx), grad)
+    txt = par.embed(lambda rows: student.embed_texts(store.texts([t.text for t in rows])), texts, grad)
+    return img, txt
 
 
-def _judge_group(ctx: StepContext, direction: str, q_item: int, picked: list[int], pool: list) -> list[float | None]:
-    """Rewards of the picked candidates of one query. `pool` maps candidate index -> item index (t2i) or TextRef."""
+def _judge_group(ctx: StepContext, direction: str, q_item: int, picked: list[int],
+                 pool: list) -> list[tuple[float, Feedback] | None]:
+    """(reward, feedback) of the picked candidates of one query (None: the judge failed). `pool` maps candidate
+    index -> item index (t2i) or TextRef."""
     items, out = ctx.items, []
     truth = items[q_item]
     query = View(text=truth.caption) if direction == "t2i" else View(image=truth.image)
@@ -150,11 +169,12 @@ def _judge_group(ctx: StepContext, direction: str, q_item: int, picked: list[int
 
 def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
     """One optimizer step of ReCLIP on the batch `idx` (item indices); returns the step metrics."""
-    rl, student = ctx.rl, ctx.student
+    rl, student, par = ctx.rl, ctx.student, ctx.par
     b = len(idx)
+    lo, hi = par.rows(b)  # this rank judges and takes the loss of queries lo..hi-1 (one process: all)
     # Stage I - collect: embed the batch, build each direction's pool and policy, pick K candidates per query
     texts = batch_texts(ctx.items, idx, rl.text_negatives)
-    img, txt = embed_batch(student, ctx.store, idx, texts)
+    img, txt = embed_batch(student, ctx.store, idx, texts, par)
     scale = student.logit_scale.exp()
     tau = rl.temperature or (1.0 / scale.detach())
     sim = img @ txt.T  # [B images, T texts]; texts 0..B-1 are the batch captions
@@ -173,21 +193,28 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
             refs = list(ctx.bank.items) if direction == "t2i" else [
                 TextRef(i, ctx.items[i].caption, ctx.items[i].description) for i in ctx.bank.items]
             pools[direction] = (torch.cat([s, extra], 1), pool + refs)
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = {}  # means over the queries (every rank: its share, then the mean over the ranks)
+    sums: dict[str, float] = {}  # summed over the ranks: the loss (each rank's share of it) and counts
     loss = torch.zeros(())
     truth_index = torch.arange(b)
+    confusions: list[list[Feedback]] = [[] for _ in range(b)]  # per query item: feedback on its likeliest misses
     for direction in rl.directions:
         s, pool = pools[direction]
         logp = retrieval_logprobs(s, tau)
         picked = pick_candidates(logp, rl.candidates, rl.selection, ctx.generator,
-                                 truth_index if rl.include_truth else None)
+                                 truth_index if rl.include_truth else None)  # every rank: the same global picks
+        logp, picked = logp[lo:hi], picked[lo:hi]
         # Stage II - score: the judge's words -> a reward per candidate
         rewards = torch.zeros(picked.shape)
         failed = torch.zeros(picked.shape, dtype=torch.bool)
-        for q in range(b):
-            for k, r in enumerate(_judge_group(ctx, direction, idx[q], picked[q].tolist(), pool)):
+        order = logp.gather(-1, picked).argsort(-1, descending=True)  # the student's likeliest candidates first
+        for q in range(hi - lo):
+            judged = _judge_group(ctx, direction, idx[lo + q], picked[q].tolist(), pool)
+            for k, r in enumerate(judged):
                 failed[q, k] = r is None
-                rewards[q, k] = 0.0 if r is None else r
+                rewards[q, k] = 0.0 if r is None else r[0]
+            confusions[lo + q] += [judged[k][1] for k in order[q].tolist()
+                                   if judged[k] is not None and judged[k][1].reasons]
         if failed.any():  # a failed judgement gets its group's mean reward: advantage 0
             ok = (~failed).float()
             mean = (rewards * ok).sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp(min=1)
@@ -198,50 +225,81 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
             adv = group_advantages(adv, normalize=True) if rl.normalize_advantage else adv
         else:
             adv = group_advantages(rewards, rl.normalize_advantage)
-        # Stage IV - the loss of this direction
-        loss = loss + reinforce_loss(logp, picked, adv)
+        # Stage IV - the loss of this direction (this rank's queries; the mean is over the global batch)
+        loss = loss + reinforce_loss(logp, picked, adv) * (hi - lo) / b
         top1 = logp.argmax(-1)
         metrics[f"{direction}/reward_mean"] = rewards.mean().item()
-        metrics[f"{direction}/batch_R@1"] = (top1 == truth_index).float().mean().item()
+        metrics[f"{direction}/batch_R@1"] = (top1 == truth_index[lo:hi]).float().mean().item()
         metrics[f"{direction}/zero_advantage_groups"] = (adv.abs().sum(-1) == 0).float().mean().item()
         if ctx.reference is not None and rl.kl_weight > 0:
-            loss = loss + rl.kl_weight * _kl_to_reference(ctx, idx, texts, direction, s[:, :logp.shape[1]], tau)
+            loss = loss + rl.kl_weight * _kl_to_reference(ctx, idx, texts, direction, s, tau, (lo, hi))
     if rl.anchor_weight > 0:
-        nce = info_nce(sim, scale)
+        if rl.counterfactuals:  # the reasons, applied to each truth's caption: its own extra negative columns
+            sim = torch.cat([sim, _counterfactual_sims(ctx, idx, img, confusions, sums)], 1)
+        nce = info_nce(sim, scale, rows=(lo, hi))
         loss = loss + rl.anchor_weight * nce
-        metrics["anchor_infonce"] = nce.item()
+        sums["anchor_infonce"] = nce.item()
     grad_norm = _apply(ctx, loss, rl.max_grad_norm)
-    metrics.update({"loss": loss.item(), "grad_norm": grad_norm, "logit_scale": scale.item()})
-    metrics.update(ctx.scorer.take_counts())
+    sums["loss"] = loss.item()
+    ctx.scorer.share(par)
+    metrics = par.mean(metrics)
+    metrics.update(par.sum({**sums, **ctx.scorer.take_counts()}))
+    metrics.update({"grad_norm": grad_norm, "logit_scale": scale.item()})
     return metrics
 
 
-def _kl_to_reference(ctx: StepContext, idx, texts, direction: str, s: torch.Tensor, tau) -> torch.Tensor:
-    """KL(pi_ref || pi) over the batch part of the pool (the bank has no reference embeddings)."""
-    b = len(idx)
+def _counterfactual_sims(ctx: StepContext, idx: list[int], img: torch.Tensor, confusions: list[list[Feedback]],
+                         sums: dict[str, float]) -> torch.Tensor:
+    """[B, M] similarities of the batch images with the M counterfactual captions of the step (each truth's caption
+    edited by the reasons of its likeliest misses, up to rl.counterfactuals per truth); a caption is a column of its
+    own truth's row only (elsewhere -1e4, far below any cosine: an edit of one caption may well describe another
+    batch image; not -inf, whose product with the scale's gradient would be NaN)."""
+    owners, texts, unrouted = [], [], 0
+    for row, (item, feedbacks) in enumerate(zip(idx, confusions, strict=True)):
+        if not feedbacks:  # another rank's query (or no judged miss)
+            continue
+        made, missed = gather(ctx.items[item].caption, feedbacks, ctx.rl.counterfactuals)
+        owners += [row] * len(made)
+        texts += made
+        unrouted += missed
+    sums["counterfactual/captions"] = len(texts) / len(idx)  # this rank's share of the mean per truth
+    sums["counterfactual/unrouted_reasons"] = unrouted
+    if not texts:
+        return img.new_zeros((len(idx), 0))
+    cf = ctx.student.embed_texts(ctx.store.texts(texts))
+    own = torch.tensor(owners)[None, :] == torch.arange(len(idx))[:, None]
+    return (img @ cf.T).masked_fill(~own, -1.0e4)
+
+
+def _kl_to_reference(ctx: StepContext, idx, texts, direction: str, s: torch.Tensor, tau,
+                     rows: tuple[int, int]) -> torch.Tensor:
+    """KL(pi_ref || pi) over the batch part of the pool (the bank has no reference embeddings), for the queries
+    `rows` (this rank's), as their share of the mean over the batch."""
+    b, (lo, hi) = len(idx), rows
     with torch.no_grad():
-        r_img, r_txt = embed_batch(ctx.reference, ctx.store, idx, texts)
+        r_img, r_txt = embed_batch(ctx.reference, ctx.store, idx, texts, ctx.par, grad=False)
         r_sim = r_txt[:b] @ r_img.T if direction == "t2i" else r_img @ r_txt.T
-        r_logp = retrieval_logprobs(r_sim, tau)
+        r_logp = retrieval_logprobs(r_sim[lo:hi], tau)
     width = r_logp.shape[1]
-    return distill_kl(retrieval_logprobs(s[:, :width], tau), r_logp)
+    return distill_kl(retrieval_logprobs(s[lo:hi, :width], tau), r_logp) * (hi - lo) / b
 
 
 def infonce_step(ctx: StepContext, idx: list[int], negatives: bool = False) -> dict[str, float]:
     """One optimizer step of symmetric InfoNCE on the batch (the warm-start and the continued baseline); with
     `negatives`, the batch's hard-negative captions are extra text columns (NegCLIP)."""
     texts = batch_texts(ctx.items, idx, negatives)
-    img, txt = embed_batch(ctx.student, ctx.store, idx, texts)
+    img, txt = embed_batch(ctx.student, ctx.store, idx, texts, ctx.par)
     scale = ctx.student.logit_scale.exp()
-    loss = info_nce(img @ txt.T, scale)
+    loss = info_nce(img @ txt.T, scale, rows=ctx.par.rows(len(idx)))
     grad_norm = _apply(ctx, loss, ctx.rl.max_grad_norm)
-    return {"loss": loss.item(), "grad_norm": grad_norm, "logit_scale": scale.item()}
+    return {**ctx.par.sum({"loss": loss.item()}), "grad_norm": grad_norm, "logit_scale": scale.item()}
 
 
 def _apply(ctx: StepContext, loss: torch.Tensor, max_norm: float) -> float:
     ctx.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     params = [p for g in ctx.optimizer.param_groups for p in g["params"]]
+    ctx.par.sum_gradients(params)  # each rank's loss is its share of the batch's: the sum is the whole gradient
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
     ctx.optimizer.step()
     return float(norm)

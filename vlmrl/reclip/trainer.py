@@ -13,8 +13,10 @@ state see the same batches.
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,16 +25,19 @@ import torch
 
 from vlmrl.config import ConfigError, save_config
 from vlmrl.data import DataError
+from vlmrl.deadlines import COLLECTIVE_MIN_S
 from vlmrl.optim import adamw
 from vlmrl.reclip.config import ReclipConfig, validate
 from vlmrl.reclip.data import ZeroShotSet, build_items, zero_shot_sets
 from vlmrl.reclip.embedded import EmbeddedConfig, EmbeddedStudent
 from vlmrl.reclip.evaluate import Encoder, evaluate_student, make_encoders
 from vlmrl.reclip.judge import build_judge
+from vlmrl.reclip.parallel import Parallel
 from vlmrl.reclip.scenes import CaptionItem
 from vlmrl.reclip.step import Bank, Scorer, StepContext, infonce_step, reclip_step
 from vlmrl.reclip.store import InputStore
 from vlmrl.reclip.students import TwoTower, hf_student_from_config, load_hf_student, load_student
+from vlmrl.trainer.distributed import NullLogger, broadcast_object, init_distributed
 from vlmrl.trainer.logger import MetricsLogger
 from vlmrl.trainer.run import Progress, fresh_run_dir, seed_everything
 
@@ -91,6 +96,9 @@ class Job:
         return self.ctx.student
 
     def evaluate(self) -> dict[str, float]:
+        """Held-out metrics (rank 0 only under torchrun: the others return {})."""
+        if self.ctx.par.rank != 0:
+            return {}
         e = self.cfg.eval
         if self.encoders is None:
             self.encoders = make_encoders(self.student, self.held_out, self.zero_shot, e.batch_size)
@@ -109,25 +117,41 @@ def prepare(cfg: ReclipConfig, progress: Progress) -> Job:
     """Data (bad input stops here, before a run directory exists), run directory, student, cached frozen inputs."""
     if cfg.trainer.threads:
         torch.set_num_threads(cfg.trainer.threads)
+    par = join(cfg)
     seed_everything(cfg.trainer.seed)
     judge = build_judge(cfg.judge.name, cfg.judge.options)
     train, held_out, zs, problems = load_data(cfg)
-    run_dir = fresh_run_dir(cfg.trainer.output_dir)
-    save_config(cfg, run_dir / "config.yaml")
-    logger = MetricsLogger(run_dir, cfg.trainer.tensorboard)
+    main = par.rank == 0
+    run_dir = Path(broadcast_object(str(fresh_run_dir(cfg.trainer.output_dir)) if main else None, par.info))
+    if main:
+        save_config(cfg, run_dir / "config.yaml")
+    logger = MetricsLogger(run_dir, cfg.trainer.tensorboard) if main else NullLogger()
     logger.log({"train_items": len(train), "eval_items": len(held_out), "skipped_rows": len(problems)}, 0, "data")
     for problem in problems[:20]:
         progress.message(f"skipped: {problem}")
     negatives = [n.caption for it in train for n in it.negatives]
     student = build_student(cfg, [it.caption for it in train + held_out] + negatives)
+    par.broadcast_parameters(student)  # every rank starts from rank 0's weights, as DDP does
     store = InputStore(student, [it.image for it in train])
     progress.message("caching the frozen tower inputs of the training data")
     store.warm([it.caption for it in train] + (negatives if cfg.rl.text_negatives else []))
     ctx = StepContext(student, store, train, cfg.rl, Scorer(judge, cfg.judge), _optimizer(student, cfg.warmup.lr),
-                      torch.Generator().manual_seed(cfg.trainer.seed + 1))
+                      torch.Generator().manual_seed(cfg.trainer.seed + 1), par=par)
     job = Job(cfg, train, held_out, zs, ctx, torch.Generator().manual_seed(cfg.trainer.seed), run_dir, logger)
     job.summary.update(run_dir=str(run_dir), skipped_rows=len(problems))
     return job
+
+
+def join(cfg: ReclipConfig) -> Parallel:
+    """This process's place under torchrun (trainer.distributed=ddp; one process: rank 0 of 1). Every batch must
+    split evenly, so each rank's share of a mean weighs the same."""
+    info = init_distributed(cfg.trainer.distributed, cfg.student.device,
+                            timeout=datetime.timedelta(seconds=COLLECTIVE_MIN_S))
+    for key, size in (("warmup.batch_size", cfg.warmup.batch_size), ("rl.batch_size", cfg.rl.batch_size)):
+        if size % info.world:
+            raise ConfigError(f"{key}={size} must be a multiple of the number of processes ({info.world}) under "
+                              f"trainer.distributed={cfg.trainer.distributed}")
+    return Parallel(info)
 
 
 def _log(job: Job, metrics: dict, step: int, phase: str, total: int) -> None:
@@ -154,15 +178,19 @@ def warm_start(job: Job, progress: Progress) -> dict[str, float]:
 
 def refresh_bank(ctx: StepContext, size: int, batch_size: int = 256) -> None:
     """Re-embed a random subset of `size` training items (all when size >= their number) without gradients."""
-    n = len(ctx.items)
+    n, student, store = len(ctx.items), ctx.student, ctx.store
     chosen = torch.randperm(n, generator=ctx.generator)[:size].tolist() if size < n else list(range(n))
-    with torch.no_grad():
-        img = torch.cat([ctx.student.embed_images(ctx.store.images(chosen[i:i + batch_size]))
-                         for i in range(0, len(chosen), batch_size)])
-        txt = torch.cat([ctx.student.embed_texts(ctx.store.texts([ctx.items[j].caption
-                                                                   for j in chosen[i:i + batch_size]]))
-                         for i in range(0, len(chosen), batch_size)])
-    ctx.bank = Bank(chosen, img, txt)
+
+    def images(rows: list[int]) -> torch.Tensor:
+        return torch.cat([student.embed_images(store.images(rows[i:i + batch_size]))
+                          for i in range(0, len(rows), batch_size)])
+
+    def texts(rows: list[int]) -> torch.Tensor:
+        return torch.cat([student.embed_texts(store.texts([ctx.items[j].caption for j in rows[i:i + batch_size]]))
+                          for i in range(0, len(rows), batch_size)])
+
+    with torch.no_grad():  # under torchrun each rank embeds its share of the bank, then all hold all of it
+        ctx.bank = Bank(chosen, ctx.par.embed(images, chosen, grad=False), ctx.par.embed(texts, chosen, grad=False))
 
 
 def rl_phase(job: Job, progress: Progress, method: str | None = None, phase: str = "train") -> dict[str, float]:
@@ -176,7 +204,7 @@ def rl_phase(job: Job, progress: Progress, method: str | None = None, phase: str
     if method == "reclip" and rl.kl_weight > 0:
         ctx.reference = copy.deepcopy(job.student).requires_grad_(False)
     progress.start(f"rl ({method})", rl.steps)
-    with open(job.run_dir / "feedback.jsonl", "a") as gallery:
+    with open(job.run_dir / "feedback.jsonl", "a") if ctx.par.rank == 0 else open(os.devnull, "w") as gallery:
         for step in range(1, rl.steps + 1):
             idx = job.batch(rl.batch_size)
             if method == "infonce":
@@ -207,14 +235,17 @@ def train_reclip(cfg: ReclipConfig, progress: Progress | None = None) -> dict:
     validate(cfg)  # a config built or changed in code is checked as a recipe is
     job = prepare(cfg, progress)
     job.summary["start"] = warm_start(job, progress)
-    if cfg.trainer.save_students:
+    main = job.ctx.par.rank == 0  # rank 0 saves; every rank holds the same weights
+    if cfg.trainer.save_students and main:
         job.summary["student_start"] = str(job.student.save_pretrained(job.run_dir / "student-start"))
     job.summary["final"] = rl_phase(job, progress)
-    if cfg.trainer.save_students:
+    if cfg.trainer.save_students and main:
         job.summary["student"] = str(job.student.save_pretrained(job.run_dir / "student"))
     job.summary["wall_seconds"] = time.perf_counter() - t0
+    job.summary["rank"] = job.ctx.par.rank
     job.logger.log({"wall_seconds": job.summary["wall_seconds"]}, cfg.rl.steps, "summary")
     job.logger.close()
+    job.ctx.par.finish()
     return job.summary
 
 

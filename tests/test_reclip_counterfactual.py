@@ -1,0 +1,142 @@
+"""Counterfactual captions: a judge's reasons routed into the truth's caption, and the step that uses them."""
+
+import pytest
+import torch
+
+from vlmrl.data.shapes import PLURAL
+from vlmrl.errors import ConfigError
+from vlmrl.reclip.config import JudgeConfig, RLConfig, load_reclip_config
+from vlmrl.reclip.counterfactual import counterfactuals, gather
+from vlmrl.reclip.feedback import Feedback, parse_feedback
+from vlmrl.reclip.judge import SceneGraphJudge, compare_descriptions
+from vlmrl.reclip.scenes import PHRASES, Description, Group, make_scenes
+from vlmrl.reclip.step import Scorer, StepContext, _counterfactual_sims, reclip_step
+from vlmrl.reclip.store import InputStore
+from vlmrl.reclip.students import hf_student_from_config
+
+CAPTION = "a red circle to the left of two green squares"
+TINY_CONFIG = {"model_type": "clip", "projection_dim": 16,
+               "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 2},
+               "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                                 "num_attention_heads": 2, "patch_size": 16}}
+
+
+def edits(text: str, feedback: str) -> list[str]:
+    return counterfactuals(text, parse_feedback(feedback))[0]
+
+
+def test_each_attribute_routes_to_its_span():
+    assert edits(CAPTION, "[IRRELEVANT] colour: red != blue") == ["a blue circle to the left of two green squares"]
+    assert edits(CAPTION, "[IRRELEVANT] shape: square != triangle") == [
+        "a red circle to the left of two green triangles"]  # the plural follows
+    assert edits(CAPTION, "[IRRELEVANT] relation: left-of != right-of") == [
+        "a red circle to the right of two green squares"]
+    assert edits(CAPTION, "[IRRELEVANT] relation: left-of != above") == ["a red circle above two green squares"]
+    # counts: the number word changes and the noun agrees when the count crosses one
+    assert edits(CAPTION, "[IRRELEVANT] count: 2 != 1") == ["a red circle to the left of a green square"]
+    assert edits(CAPTION, "[IRRELEVANT] count: 1 != 3") == ["three red circles to the left of two green squares"]
+    assert edits("an orange square", "[IRRELEVANT] count: 1 != 2") == ["two orange squares"]
+    assert edits("two orange squares", "[IRRELEVANT] count: 2 != 1") == ["an orange square"]
+
+
+def test_a_relation_stated_from_the_other_side_gets_the_inverse_edit():
+    # the judge compares canonical descriptions ("A left of B"); the caption may say "B to the right of A"
+    flipped = "two green squares to the right of a red circle"
+    assert edits(flipped, "[IRRELEVANT] relation: left-of != right-of") == [
+        "two green squares to the left of a red circle"]
+
+
+def test_all_reasons_at_once_make_a_binding_swap_and_each_reason_alone_its_own_edit():
+    texts = edits(CAPTION, "[IRRELEVANT] colour: red != green; colour: green != red")
+    assert texts == ["a green circle to the left of two red squares",  # simultaneous: the colours swap
+                     "a green circle to the left of two green squares", "a red circle to the left of two red squares"]
+
+
+def test_reasons_that_name_no_span_are_counted_not_guessed():
+    texts, unrouted = counterfactuals(CAPTION, parse_feedback(
+        "[IRRELEVANT] missing: a red circle != none; colour: purple != blue; extra: none != a cross"))
+    assert texts == [] and unrouted == 3
+    assert counterfactuals(CAPTION, parse_feedback("[IRRELEVANT] colour: red == red"))[0] == []  # an agreement
+
+
+def read_caption(text: str) -> Description:
+    """The built-in caption grammar read back: "two red circles to the left of a blue square", "a red circle"."""
+    words = {"a": 1, "an": 1, "two": 2, "three": 3}
+    singular = {v: k for k, v in PLURAL.items()}
+
+    def group(phrase: str) -> Group:
+        count, colour, noun = phrase.split()
+        shape = singular.get(noun, noun)
+        assert (noun in PLURAL.values()) == (words[count] > 1), f"number disagrees: {phrase!r}"
+        return Group(words[count], colour, shape)
+
+    for relation, said in PHRASES.items():
+        if f" {said} " in text:
+            a, b = text.split(f" {said} ")
+            return Description((group(a), group(b)), relation)
+    return Description(tuple(group(p) for p in text.split(" and ")), None)
+
+
+def test_every_counterfactual_of_a_judged_miss_is_a_caption_that_means_something_else():
+    """Property over built-in scenes: the scene-graph judge's reasons about any other scene, applied to the truth's
+    caption, give a well-formed caption (counts and nouns agree) that the judge never calls relevant to the truth."""
+    scenes = make_scenes(60, "train", 3)
+    made = 0
+    for truth in scenes[:20]:
+        assert read_caption(truth.caption).key() == truth.description.key()  # the reader reads the grammar
+        for other in scenes[20:]:
+            reasons = compare_descriptions(truth.description, other.description)
+            for text in counterfactuals(truth.caption, Feedback("irrelevant", reasons))[0]:
+                made += 1
+                assert compare_descriptions(truth.description, read_caption(text)), (truth.caption, text)
+    assert made > 300
+
+
+def test_gather_takes_the_likeliest_misses_first_up_to_the_limit():
+    feedbacks = [parse_feedback("[IRRELEVANT] colour: red != blue"), parse_feedback("[RELEVANT]"),
+                 parse_feedback("[IRRELEVANT] relation: left-of != right-of"),
+                 parse_feedback("[IRRELEVANT] colour: red != blue")]
+    assert gather(CAPTION, feedbacks, 2) == (["a blue circle to the left of two green squares",
+                                              "a red circle to the right of two green squares"], 0)
+    assert gather(CAPTION, feedbacks, 1)[0] == ["a blue circle to the left of two green squares"]
+
+
+def tiny_ctx(n: int, **rl):
+    items = make_scenes(n, "train", 0)
+    student = hf_student_from_config(TINY_CONFIG, [it.caption for it in items], seed=0, image_size=56)
+    opt = torch.optim.SGD([p for p in student.parameters() if p.requires_grad], lr=0.0)
+    cfg = RLConfig(batch_size=n, candidates=4, **rl)
+    return StepContext(student, InputStore(student, [it.image for it in items]), items, cfg,
+                       Scorer(SceneGraphJudge(), JudgeConfig()), opt, torch.Generator().manual_seed(0))
+
+
+def test_counterfactual_columns_belong_to_their_own_truth_only():
+    ctx = tiny_ctx(4, counterfactuals=2)
+    img = torch.nn.functional.normalize(torch.randn(4, 16), dim=-1)
+    confusions = [[parse_feedback("[IRRELEVANT] relation: left-of != right-of"),
+                   parse_feedback("[IRRELEVANT] colour: red != blue; colour: green != red")] for _ in range(4)]
+    metrics = {}
+    sims = _counterfactual_sims(ctx, [0, 1, 2, 3], img, confusions, metrics)
+    owners = (sims > -1e3).long()
+    assert sims.shape[0] == 4 and sims.shape[1] == metrics["counterfactual/captions"] * 4
+    assert (owners.sum(0) == 1).all()  # each caption is a column of exactly one row
+    for row in range(4):
+        made = gather(ctx.items[row].caption, confusions[row], 2)[0]
+        assert owners[row].sum() == len(made)
+
+
+def test_the_step_adds_the_counterfactual_columns_to_the_anchor():
+    """Same batch, same weights: the anchor's InfoNCE grows when each truth gets its counterfactual negatives (more
+    columns to separate), the metrics count them, and the loss stays finite with the masked columns."""
+    plain = reclip_step(tiny_ctx(8), list(range(8)))
+    with_cf = reclip_step(tiny_ctx(8, counterfactuals=3), list(range(8)))
+    assert "counterfactual/captions" not in plain
+    assert 0 < with_cf["counterfactual/captions"] <= 3
+    assert with_cf["anchor_infonce"] > plain["anchor_infonce"]
+    assert torch.isfinite(torch.tensor(with_cf["loss"])) and torch.isfinite(torch.tensor(with_cf["grad_norm"]))
+
+
+def test_counterfactuals_without_the_anchor_are_refused():
+    with pytest.raises(ConfigError, match="rl.counterfactuals"):
+        load_reclip_config(None, ["rl.counterfactuals=2", "rl.anchor_weight=0"])
