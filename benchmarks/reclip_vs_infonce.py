@@ -44,6 +44,8 @@ VARIANTS = {
     "reclip_verdict": {"rl.counterfactuals": 0, "judge.penalties": ZERO},  # the words dropped: the verdict alone
     "reclip_cf": {"rl.counterfactuals": 4},  # the reasons as counterfactual captions (the default, see docs/reclip.md)
     "reclip_cf_verdict": {"rl.counterfactuals": 4, "judge.penalties": ZERO},  # counterfactuals, verdict-only reward
+    "reclip_log_cf": {"rl.advantage": "log", "rl.counterfactuals": 4, "judge.penalties": ZERO},
+    "reclip_log": {"rl.advantage": "log", "rl.counterfactuals": 0, "judge.penalties": ZERO},
 }
 ARMS = ["infonce", "reclip", "negclip", *VARIANTS]
 

@@ -107,3 +107,27 @@ def test_recall_at_k_counts_strictly_higher_candidates():
     sim = torch.tensor([[0.9, 0.1, 0.2], [0.6, 0.5, 0.7], [0.3, 0.3, 0.3]])
     r = recall_at_k(sim, [1, 2, 3])
     assert r == {1: pytest.approx(2 / 3), 2: pytest.approx(2 / 3), 3: pytest.approx(1.0)}
+
+
+def test_log_advantages_by_hand_and_as_the_cross_entropy_of_the_relevant_candidates():
+    from vlmrl.reclip.losses import log_policy_advantages
+
+    # K = 2, pi_K = (0.25, 0.75), rewards (1, 0): b = 0.25, floor 0 -> A = (0.25 * 0.75, 0.75 * -0.25) / 0.25
+    sim = torch.tensor([[0.0, math.log(3.0)]])
+    adv = log_policy_advantages(retrieval_logprobs(sim, 1.0), torch.tensor([[0, 1]]), torch.tensor([[1.0, 0.0]]))
+    assert torch.allclose(adv, torch.tensor([[0.75, -0.75]]))
+    # over a pool of 5 with 3 candidates, 0/1 rewards: the loss's gradient is that of -log sum_{relevant} pi_K
+    sim = torch.tensor([[0.3, -0.2, 0.9, 0.1, -0.5]], requires_grad=True)
+    picked, rewards = torch.tensor([[2, 0, 3]]), torch.tensor([[0.0, 1.0, 1.0]])
+    logp = retrieval_logprobs(sim, 0.5)
+    reinforce_loss(logp, picked, log_policy_advantages(logp, picked, rewards)).backward()
+    mine = sim.grad.clone()
+    sim.grad = None
+    logp = retrieval_logprobs(sim, 0.5)
+    pi_k = torch.softmax(logp.gather(-1, picked), -1)
+    (-torch.log((pi_k * rewards).sum())).backward()
+    assert torch.allclose(mine, sim.grad, atol=1e-6)
+    # shifting every reward leaves the advantages as they are; equal rewards give zeros
+    shifted = log_policy_advantages(logp.detach(), picked, rewards - 0.7)
+    assert torch.allclose(shifted, log_policy_advantages(logp.detach(), picked, rewards), atol=1e-6)
+    assert log_policy_advantages(logp.detach(), picked, torch.full((1, 3), 0.4)).abs().max() == 0

@@ -66,7 +66,9 @@ class RLConfig:
     temperature: NonNegative = 0.0  # tau of pi = softmax(sim / tau); 0 = the student's own 1 / exp(logit_scale)
     # "mean": A = r - mean over the K (plain REINFORCE); "policy": A = K pi_K (r - E_{pi_K} r), the exact gradient of
     # the expected reward over the K candidates (pi_K: pi renormalised on them); see losses.policy_weighted_advantages
-    advantage: Literal["mean", "policy"] = "policy"
+    # "log": A = pi_K (r - E r) / (E r - min r), the gradient of log(E_{pi_K} r - min r): cross-entropy-like, a
+    # confused query keeps its full gradient (losses.log_policy_advantages)
+    advantage: Literal["mean", "policy", "log"] = "policy"
     normalize_advantage: bool = False  # divide the advantages by the group's std
     text_negatives: bool = True  # add the batch items' hard-negative captions to the text pool (built-in scenes)
     bank_size: Count = 2000  # training items in the memory bank (detached embeddings) added to the pool; 0 = batch only

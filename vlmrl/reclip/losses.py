@@ -61,6 +61,25 @@ def policy_weighted_advantages(logp: torch.Tensor, candidates: torch.Tensor, rew
         return candidates.shape[-1] * weights * (rewards - baseline)
 
 
+def log_policy_advantages(logp: torch.Tensor, candidates: torch.Tensor, rewards: torch.Tensor,
+                          eps: float = 1e-6) -> torch.Tensor:
+    """REINFORCE advantages whose loss has the gradient of -log(E_{pi_K}[r] - min_k r_k) per query:
+
+        A_k = pi_K(c_k) (r_k - b) / (b - min_k r_k),   b = sum_k pi_K(c_k) r_k
+
+    (pi_K: pi renormalised on the K candidates). With rewards 1 (relevant) and 0 this is the cross-entropy of the
+    relevant candidates among the K, gradient -pi_K(c) on a miss c: a confused query (the truth unlikely) still
+    pushes its likeliest misses down at full strength, where the expected reward's gradient
+    (`policy_weighted_advantages`) scales them by the truth's small probability. Subtracting the group's lowest
+    reward makes it invariant to a shift of the rewards. A group of equal rewards gives zeros. Sums to 0 per query.
+    """
+    with torch.no_grad():
+        weights = torch.softmax(logp.gather(-1, candidates), dim=-1)
+        baseline = (weights * rewards).sum(-1, keepdim=True)
+        floor = rewards.min(-1, keepdim=True).values
+        return weights * (rewards - baseline) / (baseline - floor).clamp(min=eps)
+
+
 def reinforce_loss(logp: torch.Tensor, candidates: torch.Tensor, advantages: torch.Tensor) -> torch.Tensor:
     """L = mean_q [ -sum_k A[q, k] * log pi(c_k | q) ].
 

@@ -22,6 +22,7 @@ from vlmrl.reclip.losses import (
     distill_kl,
     group_advantages,
     info_nce,
+    log_policy_advantages,
     pick_candidates,
     policy_weighted_advantages,
     reinforce_loss,
@@ -220,8 +221,9 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
             mean = (rewards * ok).sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp(min=1)
             rewards = torch.where(failed, mean.expand_as(rewards), rewards)
         # Stage III - advantages: r - mean over the K candidates of each query (or the policy-weighted form)
-        if rl.advantage == "policy":
-            adv = policy_weighted_advantages(logp, picked, rewards)  # sums to 0 per query: centring is a no-op
+        if rl.advantage in ("policy", "log"):  # both sum to 0 per query: centring is a no-op
+            weighted = policy_weighted_advantages if rl.advantage == "policy" else log_policy_advantages
+            adv = weighted(logp, picked, rewards)
             adv = group_advantages(adv, normalize=True) if rl.normalize_advantage else adv
         else:
             adv = group_advantages(rewards, rl.normalize_advantage)
