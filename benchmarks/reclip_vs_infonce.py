@@ -37,15 +37,24 @@ ROWS = ["comp/acc", "comp/relation", "comp/binding", "comp/color", "comp/shape",
         "zeroshot/colour", "zeroshot/shape", "zeroshot/count", "zeroshot/mean"]
 
 
-# arms beyond the three methods: the recipe's ReCLIP with these overrides of rl.* / judge.* (the ablations)
-ZERO = {"colour": 0.0, "shape": 0.0, "count": 0.0, "relation": 0.0, "missing": 0.0, "extra": 0.0, "other": 0.0}
+GRADED = {"colour": 0.25, "shape": 0.25, "count": 0.25, "relation": 0.25, "missing": 0.5, "extra": 0.5, "other": 0.25}
+ZERO = dict.fromkeys(GRADED, 0.0)
+EARLIER = {"rl.advantage": "policy", "rl.bank_size": 2000, "judge.penalties": GRADED, "rl.counterfactuals": 0}
+# arms beyond the three methods: the recipe's ReCLIP with these overrides of rl.* / judge.* (the ablations; every arm
+# spells out the keys the recipe's defaults changed, so an arm means the same whatever the recipe's defaults)
 VARIANTS = {
-    "reclip_scalar": {"rl.counterfactuals": 0},  # the reasons reach the gradient only through the scalar reward
-    "reclip_verdict": {"rl.counterfactuals": 0, "judge.penalties": ZERO},  # the words dropped: the verdict alone
-    "reclip_cf": {"rl.counterfactuals": 4},  # the reasons as counterfactual captions (the default, see docs/reclip.md)
-    "reclip_cf_verdict": {"rl.counterfactuals": 4, "judge.penalties": ZERO},  # counterfactuals, verdict-only reward
-    "reclip_log_cf": {"rl.advantage": "log", "rl.counterfactuals": 4, "judge.penalties": ZERO},
-    "reclip_log": {"rl.advantage": "log", "rl.counterfactuals": 0, "judge.penalties": ZERO},
+    "reclip_nocf": {"rl.counterfactuals": 0},  # the recipe without its counterfactual captions: the words unused
+    "reclip_graded": {"rl.counterfactuals": 0, "judge.penalties": GRADED},  # the words as a scalar penalty only
+    "reclip_scalar": EARLIER,  # the earlier default: policy advantages, 2,000-item bank, graded reward
+    "reclip_verdict": {**EARLIER, "judge.penalties": ZERO},
+    "reclip_cf": {**EARLIER, "rl.counterfactuals": 4},
+    "reclip_cf_verdict": {**EARLIER, "rl.counterfactuals": 4, "judge.penalties": ZERO},
+    "reclip_log_cf": {"rl.advantage": "log", "rl.bank_size": 2000, "rl.counterfactuals": 4, "judge.penalties": ZERO},
+    "reclip_log": {"rl.advantage": "log", "rl.bank_size": 2000, "rl.counterfactuals": 0, "judge.penalties": ZERO},
+    "reclip_log_cf_t2ibank": {"rl.advantage": "log", "rl.bank_size": 2000, "rl.counterfactuals": 4,
+                              "judge.penalties": ZERO, "rl.bank_directions": ["t2i"]},
+    "reclip_log_t2ibank": {"rl.advantage": "log", "rl.bank_size": 2000, "rl.counterfactuals": 0,
+                           "judge.penalties": ZERO, "rl.bank_directions": ["t2i"]},
 }
 ARMS = ["infonce", "reclip", "negclip", *VARIANTS]
 

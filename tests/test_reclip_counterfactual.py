@@ -129,7 +129,7 @@ def test_counterfactual_columns_belong_to_their_own_truth_only():
 def test_the_step_adds_the_counterfactual_columns_to_the_anchor():
     """Same batch, same weights: the anchor's InfoNCE grows when each truth gets its counterfactual negatives (more
     columns to separate), the metrics count them, and the loss stays finite with the masked columns."""
-    plain = reclip_step(tiny_ctx(8), list(range(8)))
+    plain = reclip_step(tiny_ctx(8, counterfactuals=0), list(range(8)))
     with_cf = reclip_step(tiny_ctx(8, counterfactuals=3), list(range(8)))
     assert "counterfactual/captions" not in plain
     assert 0 < with_cf["counterfactual/captions"] <= 3
@@ -140,3 +140,35 @@ def test_the_step_adds_the_counterfactual_columns_to_the_anchor():
 def test_counterfactuals_without_the_anchor_are_refused():
     with pytest.raises(ConfigError, match="rl.counterfactuals"):
         load_reclip_config(None, ["rl.counterfactuals=2", "rl.anchor_weight=0"])
+
+
+def test_the_bank_joins_only_the_pools_of_its_directions():
+    """With the bank in t2i only, an image retrieving captions sees exactly the pool it sees without a bank."""
+    from vlmrl.reclip.trainer import refresh_bank
+
+    runs = {}
+    for name, bank in (("none", None), ("t2i", ["t2i"]), ("both", ["t2i", "i2t"])):
+        ctx = tiny_ctx(8, directions=["i2t"], bank_directions=bank or ["t2i", "i2t"], text_negatives=False)
+        if bank:
+            ctx.items = make_scenes(24, "train", 0)
+            ctx.store = InputStore(ctx.student, [it.image for it in ctx.items])
+            refresh_bank(ctx, 24)
+        ctx.scorer.gallery = []
+        runs[name] = reclip_step(ctx, list(range(8)))
+    assert runs["t2i"]["i2t/reward_mean"] == runs["none"]["i2t/reward_mean"]
+    assert runs["t2i"]["loss"] == pytest.approx(runs["none"]["loss"], rel=1e-6)
+    assert runs["both"]["loss"] != pytest.approx(runs["none"]["loss"], rel=1e-6)
+
+
+def test_a_bf16_step_runs_the_towers_in_bf16_and_stays_near_the_fp32_step():
+    """The CPU proxy of bf16 autocast on GPUs: same batch and weights, the loss within bf16's rounding of fp32's."""
+    seen = []
+    fp32 = reclip_step(tiny_ctx(8), list(range(8)))
+    ctx = tiny_ctx(8)
+    ctx.precision = "bf16"
+    hook = ctx.student.model.text_model.encoder.layers[0].mlp.fc1.register_forward_hook(
+        lambda module, args, out: seen.append(out.dtype))
+    bf16 = reclip_step(ctx, list(range(8)))
+    hook.remove()
+    assert seen and set(seen) == {torch.bfloat16}
+    assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05) and bf16["loss"] != fp32["loss"]

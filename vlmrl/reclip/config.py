@@ -68,15 +68,19 @@ class RLConfig:
     # the expected reward over the K candidates (pi_K: pi renormalised on them); see losses.policy_weighted_advantages
     # "log": A = pi_K (r - E r) / (E r - min r), the gradient of log(E_{pi_K} r - min r): cross-entropy-like, a
     # confused query keeps its full gradient (losses.log_policy_advantages)
-    advantage: Literal["mean", "policy", "log"] = "policy"
+    advantage: Literal["mean", "policy", "log"] = "log"
     normalize_advantage: bool = False  # divide the advantages by the group's std
     text_negatives: bool = True  # add the batch items' hard-negative captions to the text pool (built-in scenes)
-    bank_size: Count = 2000  # training items in the memory bank (detached embeddings) added to the pool; 0 = batch only
+    bank_size: Count = 0  # training items in the memory bank (detached embeddings) added to the pool; 0 = batch only
+    # the directions whose pool the bank joins: its images as t2i candidates, its captions as i2t candidates (the
+    # latter include other items' paraphrases, "B to the right of A", which pull a nearly order-blind text tower
+    # towards the relation swap; docs/reclip.md)
+    bank_directions: list[Literal["t2i", "i2t"]] = field(default_factory=lambda: ["t2i", "i2t"])
     bank_refresh: PositiveInt = 25  # steps between re-embedding the bank (a fresh random subset when bank_size < n)
     anchor_weight: NonNegative = 1.0  # + weight * InfoNCE on the batch's texts (hard negatives included when drawn)
     # the words as a dense signal: per truth, up to this many counterfactual captions (its caption edited by the
     # reasons of its likeliest judged misses) join the anchor as its own negatives; 0 = reasons reach only the reward
-    counterfactuals: Count = 0
+    counterfactuals: Count = 4
     kl_weight: NonNegative = 0.0  # + weight * KL(pi_start || pi) on the batch: distillation to the warm-start student
     max_grad_norm: Positive = 1.0
 
@@ -85,7 +89,9 @@ class RLConfig:
 class JudgeConfig:
     name: Literal["scene_graph", "exact", "llm"] = "scene_graph"  # the GRM; see vlmrl/reclip/judge.py
     verdict_weights: dict = field(default_factory=lambda: dict(DEFAULT_VERDICT_WEIGHTS))  # global weight per verdict
-    penalties: dict = field(default_factory=lambda: dict(DEFAULT_PENALTIES))  # attribute-level penalty per reason
+    # attribute-level penalty per reason; 0 by default: a graded reward makes a near miss score above its group's
+    # mean, and RL pulls it towards the query (measured in BENCHMARKS.md); the reasons teach as counterfactuals
+    penalties: dict = field(default_factory=lambda: dict.fromkeys(DEFAULT_PENALTIES, 0.0))
     min_reward: float = -1.0
     compress: bool = True  # self-compression: keep only the reasons that bear on the verdict
     options: dict = field(default_factory=dict)  # judge.name=llm: endpoint, model, ... (passed to the client)
@@ -112,6 +118,7 @@ class ReclipTrainerConfig:
     # under torchrun: "ddp" = each rank embeds, judges and backpropagates its share of every batch, the pool is the
     # global batch (embeddings gathered with their gradients) and gradients are summed (vlmrl/reclip/parallel.py)
     distributed: Literal["none", "ddp"] = "none"
+    precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the towers under torch.autocast (GPUs; on a CPU it is slower)
 
 
 @section

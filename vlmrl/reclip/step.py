@@ -125,6 +125,7 @@ class StepContext:
     reference: TwoTower | None = None
     bank: Bank | None = None
     par: Parallel = SINGLE  # under torchrun: this rank's share of the rows (vlmrl.reclip.parallel)
+    precision: str = "fp32"  # "bf16": the towers under autocast (trainer.precision)
 
 
 def item_view(item: CaptionItem) -> View:
@@ -139,12 +140,25 @@ def batch_texts(items: list[CaptionItem], idx: list[int], negatives: bool) -> li
     return refs
 
 
+def precision_context(student: TwoTower, precision: str):
+    """bf16: the towers run under torch.autocast on the student's device (the similarities and losses stay fp32)."""
+    device = next(student.parameters()).device.type
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 def embed_batch(student: TwoTower, store: InputStore, idx: list[int], texts: list[TextRef], par: Parallel = SINGLE,
-                grad: bool = True):
-    """The batch's image and text embeddings, every row on every rank (each rank embeds its share; see parallel)."""
-    img = par.embed(lambda rows: student.embed_images(store.images(rows)), list(idx), grad)
-    txt = par.embed(lambda rows: student.embed_texts(store.texts([t.text for t in rows])), texts, grad)
-    return img, txt
+                grad: bool = True, precision: str = "fp32"):
+    """The batch's image and text embeddings (fp32), every row on every rank (each rank embeds its share; see
+    parallel), the towers in `precision`."""
+    def images(rows):
+        with precision_context(student, precision):
+            return student.embed_images(store.images(rows)).float()
+
+    def captions(rows):
+        with precision_context(student, precision):
+            return student.embed_texts(store.texts([t.text for t in rows])).float()
+
+    return par.embed(images, list(idx), grad), par.embed(captions, texts, grad)
 
 
 def _judge_group(ctx: StepContext, direction: str, q_item: int, picked: list[int],
@@ -175,7 +189,7 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
     lo, hi = par.rows(b)  # this rank judges and takes the loss of queries lo..hi-1 (one process: all)
     # Stage I - collect: embed the batch, build each direction's pool and policy, pick K candidates per query
     texts = batch_texts(ctx.items, idx, rl.text_negatives)
-    img, txt = embed_batch(student, ctx.store, idx, texts, par)
+    img, txt = embed_batch(student, ctx.store, idx, texts, par, precision=ctx.precision)
     scale = student.logit_scale.exp()
     tau = rl.temperature or (1.0 / scale.detach())
     sim = img @ txt.T  # [B images, T texts]; texts 0..B-1 are the batch captions
@@ -186,6 +200,8 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
     if ctx.bank is not None and ctx.bank.items:
         own = torch.tensor([ctx.bank.position.get(i, -1) for i in idx])
         for direction, (s, pool) in list(pools.items()):
+            if direction not in rl.bank_directions:
+                continue
             queries = txt[:b] if direction == "t2i" else img
             bank = ctx.bank.images if direction == "t2i" else ctx.bank.texts
             extra = queries @ bank.T
@@ -268,7 +284,8 @@ def _counterfactual_sims(ctx: StepContext, idx: list[int], img: torch.Tensor, co
     sums["counterfactual/unrouted_reasons"] = unrouted
     if not texts:
         return img.new_zeros((len(idx), 0))
-    cf = ctx.student.embed_texts(ctx.store.texts(texts))
+    with precision_context(ctx.student, ctx.precision):
+        cf = ctx.student.embed_texts(ctx.store.texts(texts)).float()
     own = torch.tensor(owners)[None, :] == torch.arange(len(idx))[:, None]
     return (img @ cf.T).masked_fill(~own, -1.0e4)
 
@@ -279,7 +296,7 @@ def _kl_to_reference(ctx: StepContext, idx, texts, direction: str, s: torch.Tens
     `rows` (this rank's), as their share of the mean over the batch."""
     b, (lo, hi) = len(idx), rows
     with torch.no_grad():
-        r_img, r_txt = embed_batch(ctx.reference, ctx.store, idx, texts, ctx.par, grad=False)
+        r_img, r_txt = embed_batch(ctx.reference, ctx.store, idx, texts, ctx.par, grad=False, precision=ctx.precision)
         r_sim = r_txt[:b] @ r_img.T if direction == "t2i" else r_img @ r_txt.T
         r_logp = retrieval_logprobs(r_sim[lo:hi], tau)
     width = r_logp.shape[1]
@@ -290,7 +307,7 @@ def infonce_step(ctx: StepContext, idx: list[int], negatives: bool = False) -> d
     """One optimizer step of symmetric InfoNCE on the batch (the warm-start and the continued baseline); with
     `negatives`, the batch's hard-negative captions are extra text columns (NegCLIP)."""
     texts = batch_texts(ctx.items, idx, negatives)
-    img, txt = embed_batch(ctx.student, ctx.store, idx, texts, ctx.par)
+    img, txt = embed_batch(ctx.student, ctx.store, idx, texts, ctx.par, precision=ctx.precision)
     scale = ctx.student.logit_scale.exp()
     loss = info_nce(img @ txt.T, scale, rows=ctx.par.rows(len(idx)))
     grad_norm = _apply(ctx, loss, ctx.rl.max_grad_norm)

@@ -136,7 +136,7 @@ def prepare(cfg: ReclipConfig, progress: Progress) -> Job:
     progress.message("caching the frozen tower inputs of the training data")
     store.warm([it.caption for it in train] + (negatives if cfg.rl.text_negatives else []))
     ctx = StepContext(student, store, train, cfg.rl, Scorer(judge, cfg.judge), _optimizer(student, cfg.warmup.lr),
-                      torch.Generator().manual_seed(cfg.trainer.seed + 1), par=par)
+                      torch.Generator().manual_seed(cfg.trainer.seed + 1), par=par, precision=cfg.trainer.precision)
     job = Job(cfg, train, held_out, zs, ctx, torch.Generator().manual_seed(cfg.trainer.seed), run_dir, logger)
     job.summary.update(run_dir=str(run_dir), skipped_rows=len(problems))
     return job
