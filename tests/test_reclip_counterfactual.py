@@ -172,3 +172,36 @@ def test_a_bf16_step_runs_the_towers_in_bf16_and_stays_near_the_fp32_step():
     hook.remove()
     assert seen and set(seen) == {torch.bfloat16}
     assert bf16["loss"] == pytest.approx(fp32["loss"], rel=0.05) and bf16["loss"] != fp32["loss"]
+
+
+def test_an_endpoint_judge_gets_a_steps_calls_at_once_with_the_same_results():
+    """An LLM judge's calls of one step are in flight together (judge.options.concurrency), and the step's numbers
+    are those of judging one at a time."""
+    import re
+    import threading
+    import time
+
+    from vlmrl.reclip.judge import LLMJudge
+
+    lock, state = threading.Lock(), {"now": 0, "max": 0}
+
+    def client(prompt: str) -> str:
+        with lock:
+            state["now"] += 1
+            state["max"] = max(state["max"], state["now"])
+        time.sleep(0.01)
+        with lock:
+            state["now"] -= 1
+        truth = re.search(r"Ground truth .*?: (.*)", prompt)[1]
+        got = re.search(r"Retrieved: (.*)", prompt)[1]
+        return "[RELEVANT]" if truth == got else "[IRRELEVANT] colour: red != blue"
+
+    results = {}
+    for workers in (1, 4):
+        ctx = tiny_ctx(8, directions=["i2t"], text_negatives=False)
+        ctx.scorer = Scorer(LLMJudge(client=client), JudgeConfig(options={"concurrency": workers}))
+        state["max"] = 0
+        results[workers] = reclip_step(ctx, list(range(8)))
+        assert (state["max"] == 1 if workers == 1 else 1 < state["max"] <= 4) and results[workers]["judge/calls"] > 4
+    assert results[1]["loss"] == results[4]["loss"]
+    assert results[1]["i2t/reward_mean"] == results[4]["i2t/reward_mean"]

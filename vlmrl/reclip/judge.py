@@ -142,6 +142,8 @@ class LLMJudge:
 
     `client`: instead of an endpoint, any function prompt -> reply text (tests, local models)."""
 
+    remote = True  # ReCLIP's scorer sends a step's judgements at once (judge.options.concurrency in flight)
+
     def __init__(self, options: dict[str, Any] | None = None, client: Callable[[str], str] | None = None):
         self.options = dict(options or {})
         self.fn = client

@@ -9,6 +9,7 @@ side through the batch part of the pool.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -58,9 +59,27 @@ class Scorer:
         self.counts: dict[str, float] = {}
         self.gallery: list[dict] = []
         self.new: list[tuple[tuple, tuple[float, Feedback]]] = []  # this step's fresh judgements (shared across ranks)
+        self._ready: dict[tuple, Feedback | Exception] = {}  # prefetched judgements, taken by __call__
 
     def count(self, name: str, n: float = 1) -> None:
         self.counts[name] = self.counts.get(name, 0) + n
+
+    def prefetch(self, requests: list[tuple[tuple, View, View, View]]) -> None:
+        """Judge the requests' uncached keys at once, `judge.options.concurrency` (default 8) in flight, for a judge
+        behind an endpoint (`remote`); a programmatic judge is judged inline by `__call__`."""
+        if not getattr(self.judge, "remote", False):
+            return
+        todo = {key: views for key, *views in requests if self.cache.get(key) is None}
+        workers = int(self.cfg.options.get("concurrency", 8))
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="reclip-judge") as pool:
+            futures = {key: pool.submit(self._judge, *views) for key, views in todo.items()}
+        self._ready = {key: future.result() for key, future in futures.items()}
+
+    def _judge(self, query: View, retrieved: View, truth: View) -> Feedback | Exception:
+        try:
+            return self.judge(query, retrieved, truth)
+        except Exception as error:  # a judge failure never stops training: the candidate gets advantage 0
+            return error
 
     def __call__(self, key: tuple, query: View, retrieved: View, truth: View) -> tuple[float, Feedback] | None:
         """(reward, the compressed feedback) of one judged candidate; None when the judge failed (counted)."""
@@ -69,11 +88,10 @@ class Scorer:
             self.count("judge/cache_hits")
             return hit
         self.count("judge/calls")
-        try:
-            feedback = self.judge(query, retrieved, truth)
-        except Exception as error:  # a judge failure never stops training: the candidate gets advantage 0
+        feedback = self._ready.pop(key) if key in self._ready else self._judge(query, retrieved, truth)
+        if isinstance(feedback, Exception):
             self.count("judge/failures")
-            self.gallery.append({"error": f"{type(error).__name__}: {error}"})
+            self.gallery.append({"error": f"{type(feedback).__name__}: {feedback}"})
             return None
         if self.cfg.compress:
             feedback, dropped = compress(feedback, self.cfg.penalties)
@@ -161,10 +179,10 @@ def embed_batch(student: TwoTower, store: InputStore, idx: list[int], texts: lis
     return par.embed(images, list(idx), grad), par.embed(captions, texts, grad)
 
 
-def _judge_group(ctx: StepContext, direction: str, q_item: int, picked: list[int],
-                 pool: list) -> list[tuple[float, Feedback] | None]:
-    """(reward, feedback) of the picked candidates of one query (None: the judge failed). `pool` maps candidate
-    index -> item index (t2i) or TextRef."""
+def _requests(ctx: StepContext, direction: str, q_item: int, picked: list[int],
+              pool: list) -> list[tuple[tuple, View, View, View]]:
+    """(memo key, query, retrieved, truth) of the picked candidates of one query. `pool` maps candidate index ->
+    item index (t2i) or TextRef."""
     items, out = ctx.items, []
     truth = items[q_item]
     query = View(text=truth.caption) if direction == "t2i" else View(image=truth.image)
@@ -178,7 +196,7 @@ def _judge_group(ctx: StepContext, direction: str, q_item: int, picked: list[int
             view = View(ref.text, None, ref.description)
             ckey = ref.description.key() if ref.description is not None else (ref.item, ref.text)
         tkey = truth.description.key() if truth.description is not None else truth.id
-        out.append(ctx.scorer((direction, tkey, ckey), query, view, item_view(truth)))
+        out.append(((direction, tkey, ckey), query, view, item_view(truth)))
     return out
 
 
@@ -225,8 +243,10 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
         rewards = torch.zeros(picked.shape)
         failed = torch.zeros(picked.shape, dtype=torch.bool)
         order = logp.gather(-1, picked).argsort(-1, descending=True)  # the student's likeliest candidates first
-        for q in range(hi - lo):
-            judged = _judge_group(ctx, direction, idx[lo + q], picked[q].tolist(), pool)
+        requests = [_requests(ctx, direction, idx[lo + q], picked[q].tolist(), pool) for q in range(hi - lo)]
+        ctx.scorer.prefetch([r for group in requests for r in group])  # an endpoint's judge: calls in flight at once
+        for q, group in enumerate(requests):
+            judged = [ctx.scorer(*request) for request in group]
             for k, r in enumerate(judged):
                 failed[q, k] = r is None
                 rewards[q, k] = 0.0 if r is None else r[0]
