@@ -130,3 +130,29 @@ def test_a_config_changed_in_code_is_checked_before_anything_is_built(tmp_path):
     with pytest.raises(ConfigError, match=r"rl.candidates=65 > rl.batch_size=64"):
         train_reclip(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_a_resumed_run_continues_exactly(tmp_path):
+    """4 RL steps straight, against 2 then a resume from checkpoint-2: the same losses, rewards and final weights
+    (the bank refreshed at step 1 and 4, so steps 3 and 4 need the checkpoint's bank; the KL reference too)."""
+    from safetensors.torch import load_file
+
+    common = ["rl.steps=4", "rl.bank_size=16", "rl.bank_refresh=3", "rl.kl_weight=0.1", "rl.selection=sample",
+              "data.train.n=32"]
+    straight = train_reclip(tiny_config(tmp_path / "a", *common, "trainer.save_every=2"))
+    assert (tmp_path / "a" / "run" / "checkpoint-2" / "state.pt").exists()
+    assert not (tmp_path / "a" / "run" / "checkpoint-4").exists()  # the end is the student itself
+    resumed = train_reclip(tiny_config(tmp_path / "b", *common, f"trainer.resume={tmp_path / 'a' / 'run' / 'checkpoint-2'}"))
+    assert resumed["resumed_from"].endswith("checkpoint-2") and resumed["start"] == straight["start"]
+    assert resumed["final"] == straight["final"]
+    rows = {x: [r for r in records(tmp_path / x / "run") if r["phase"] == "train"] for x in ("a", "b")}
+    assert [r["step"] for r in rows["b"]] == [3, 4]
+    for a, b in zip(rows["a"][2:], rows["b"], strict=True):
+        assert (a["loss"], a["t2i/reward_mean"], a["grad_norm"]) == (b["loss"], b["t2i/reward_mean"], b["grad_norm"])
+    w = [load_file(next((tmp_path / x / "run" / "student").glob("*.safetensors"))) for x in ("a", "b")]
+    assert all(torch.equal(w[0][k], w[1][k]) for k in w[0])
+
+
+def test_resume_from_a_folder_without_a_checkpoint_says_what_to_pass(tmp_path):
+    with pytest.raises(ConfigError, match="pass a RUN_DIR/checkpoint-STEP folder"):
+        train_reclip(tiny_config(tmp_path, f"trainer.resume={tmp_path}"))

@@ -118,6 +118,8 @@ class ReclipTrainerConfig:
     # under torchrun: "ddp" = each rank embeds, judges and backpropagates its share of every batch, the pool is the
     # global batch (embeddings gathered with their gradients) and gradients are summed (vlmrl/reclip/parallel.py)
     distributed: Literal["none", "ddp"] = "none"
+    save_every: Count = 0  # RL steps between checkpoints (RUN_DIR/checkpoint-STEP); 0 = none
+    resume: str = ""  # a RUN_DIR/checkpoint-STEP folder: continue its RL phase exactly (the warm-start is skipped)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the towers under torch.autocast (GPUs; on a CPU it is slower)
 
 

@@ -32,6 +32,7 @@ from vlmrl.reclip.data import ZeroShotSet, build_items, zero_shot_sets
 from vlmrl.reclip.embedded import EmbeddedConfig, EmbeddedStudent
 from vlmrl.reclip.evaluate import Encoder, evaluate_student, make_encoders
 from vlmrl.reclip.judge import build_judge
+from vlmrl.reclip import checkpoint
 from vlmrl.reclip.parallel import Parallel
 from vlmrl.reclip.scenes import CaptionItem
 from vlmrl.reclip.step import Bank, Scorer, StepContext, infonce_step, reclip_step
@@ -193,9 +194,12 @@ def refresh_bank(ctx: StepContext, size: int, batch_size: int = 256) -> None:
         ctx.bank = Bank(chosen, ctx.par.embed(images, chosen, grad=False), ctx.par.embed(texts, chosen, grad=False))
 
 
-def rl_phase(job: Job, progress: Progress, method: str | None = None, phase: str = "train") -> dict[str, float]:
+def rl_phase(job: Job, progress: Progress, method: str | None = None, phase: str = "train",
+             resume: dict | None = None) -> dict[str, float]:
     """`rl.steps` optimizer steps of `method` (default rl.method): "reclip" or "infonce" (continued InfoNCE, the
-    baseline); returns (and logs) the held-out metrics after them. Judged retrievals go to feedback.jsonl."""
+    baseline); returns (and logs) the held-out metrics after them. Judged retrievals go to feedback.jsonl. With
+    `resume` (a checkpoint's state, vlmrl.reclip.checkpoint), the steps after the checkpoint's; with
+    trainer.save_every, checkpoints on the way."""
     rl, ctx = job.cfg.rl, job.ctx
     method = method or rl.method
     ctx.optimizer = _optimizer(job.student, rl.lr)
@@ -203,9 +207,11 @@ def rl_phase(job: Job, progress: Progress, method: str | None = None, phase: str
     ctx.reference = None
     if method == "reclip" and rl.kl_weight > 0:
         ctx.reference = copy.deepcopy(job.student).requires_grad_(False)
-    progress.start(f"rl ({method})", rl.steps)
+    done = checkpoint.restore(ctx, job.batches, resume) if resume is not None else 0
+    every = job.cfg.trainer.save_every
+    progress.start(f"rl ({method})", rl.steps - done)
     with open(job.run_dir / "feedback.jsonl", "a") if ctx.par.rank == 0 else open(os.devnull, "w") as gallery:
-        for step in range(1, rl.steps + 1):
+        for step in range(done + 1, rl.steps + 1):
             idx = job.batch(rl.batch_size)
             if method == "infonce":
                 metrics = infonce_step(ctx, idx)
@@ -221,6 +227,8 @@ def rl_phase(job: Job, progress: Progress, method: str | None = None, phase: str
             progress.advance(loss=f"{metrics['loss']:.3f}")
             if job.cfg.trainer.eval_every and step % job.cfg.trainer.eval_every == 0 and step != rl.steps:
                 job.logger.log(job.evaluate(), step, "eval")
+            if every and step % every == 0 and step != rl.steps and ctx.par.rank == 0:
+                checkpoint.save(ctx, job.batches, step, job.run_dir, job.summary.get("start", {}))
     progress.end()
     result = job.evaluate()
     job.logger.log(result, rl.steps, "eval")
@@ -233,12 +241,16 @@ def train_reclip(cfg: ReclipConfig, progress: Progress | None = None) -> dict:
     progress = progress or Progress()
     t0 = time.perf_counter()
     validate(cfg)  # a config built or changed in code is checked as a recipe is
+    resume = checkpoint.load(cfg.trainer.resume) if cfg.trainer.resume else None  # a bad path stops here
     job = prepare(cfg, progress)
-    job.summary["start"] = warm_start(job, progress)
     main = job.ctx.par.rank == 0  # rank 0 saves; every rank holds the same weights
-    if cfg.trainer.save_students and main:
-        job.summary["student_start"] = str(job.student.save_pretrained(job.run_dir / "student-start"))
-    job.summary["final"] = rl_phase(job, progress)
+    if resume is None:
+        job.summary["start"] = warm_start(job, progress)
+        if cfg.trainer.save_students and main:
+            job.summary["student_start"] = str(job.student.save_pretrained(job.run_dir / "student-start"))
+    else:  # the warm-start is in the checkpoint's weights; its held-out metrics come with them
+        job.summary.update(start=resume["start"], resumed_from=str(cfg.trainer.resume))
+    job.summary["final"] = rl_phase(job, progress, resume=resume)
     if cfg.trainer.save_students and main:
         job.summary["student"] = str(job.student.save_pretrained(job.run_dir / "student"))
     job.summary["wall_seconds"] = time.perf_counter() - t0
