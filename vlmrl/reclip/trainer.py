@@ -27,12 +27,12 @@ from vlmrl.config import ConfigError, save_config
 from vlmrl.data import DataError
 from vlmrl.deadlines import COLLECTIVE_MIN_S
 from vlmrl.optim import adamw
+from vlmrl.reclip import checkpoint
 from vlmrl.reclip.config import ReclipConfig, validate
 from vlmrl.reclip.data import ZeroShotSet, build_items, zero_shot_sets
 from vlmrl.reclip.embedded import EmbeddedConfig, EmbeddedStudent
 from vlmrl.reclip.evaluate import Encoder, evaluate_student, make_encoders
 from vlmrl.reclip.judge import build_judge
-from vlmrl.reclip import checkpoint
 from vlmrl.reclip.parallel import Parallel
 from vlmrl.reclip.scenes import CaptionItem
 from vlmrl.reclip.step import Bank, Scorer, StepContext, infonce_step, reclip_step
