@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from tests.test_reclip_train import TINY_CONFIG
 from vlmrl.data.shapes import PLURAL
 from vlmrl.errors import ConfigError
 from vlmrl.reclip.config import JudgeConfig, RLConfig, load_reclip_config
@@ -15,11 +16,7 @@ from vlmrl.reclip.store import InputStore
 from vlmrl.reclip.students import hf_student_from_config
 
 CAPTION = "a red circle to the left of two green squares"
-TINY_CONFIG = {"model_type": "clip", "projection_dim": 16,
-               "text_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                               "num_attention_heads": 2},
-               "vision_config": {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-                                 "num_attention_heads": 2, "patch_size": 16}}
+
 
 
 def edits(text: str, feedback: str) -> list[str]:

@@ -242,7 +242,6 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
         # Stage II - score: the judge's words -> a reward per candidate
         rewards = torch.zeros(picked.shape)
         failed = torch.zeros(picked.shape, dtype=torch.bool)
-        order = logp.gather(-1, picked).argsort(-1, descending=True)  # the student's likeliest candidates first
         requests = [_requests(ctx, direction, idx[lo + q], picked[q].tolist(), pool) for q in range(hi - lo)]
         ctx.scorer.prefetch([r for group in requests for r in group])  # an endpoint's judge: calls in flight at once
         for q, group in enumerate(requests):
@@ -250,8 +249,9 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
             for k, r in enumerate(judged):
                 failed[q, k] = r is None
                 rewards[q, k] = 0.0 if r is None else r[0]
-            confusions[lo + q] += [judged[k][1] for k in order[q].tolist()
-                                   if judged[k] is not None and judged[k][1].reasons]
+            if rl.counterfactuals:  # the misses' feedback, the student's likeliest candidates first
+                order = logp[q].gather(-1, picked[q]).argsort(descending=True).tolist()
+                confusions[lo + q] += [judged[k][1] for k in order if judged[k] is not None and judged[k][1].reasons]
         if failed.any():  # a failed judgement gets its group's mean reward: advantage 0
             ok = (~failed).float()
             mean = (rewards * ok).sum(-1, keepdim=True) / ok.sum(-1, keepdim=True).clamp(min=1)
