@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from vlmrl.reclip.config import load_reclip_config
+from vlmrl.reclip.judge import build_judge
 from vlmrl.reclip.step import infonce_step
 from vlmrl.reclip.trainer import Job, _clamp_scale, _optimizer, prepare, rl_phase, warm_start
 from vlmrl.trainer.run import Progress
@@ -56,7 +57,12 @@ VARIANTS = {
     "reclip_log_t2ibank": {"rl.advantage": "log", "rl.bank_size": 2000, "rl.counterfactuals": 0,
                            "judge.penalties": ZERO, "rl.bank_directions": ["t2i"]},
 }
+# the recipe's ReCLIP with a judge trained by vlmrl (benchmarks/reclip_grm.py), served at --grm-url
+LEARNED_JUDGE = {"model": "reclip_grm", "template": "Ground truth: {reference}\nRetrieved: {prediction}",
+                 "max_reasons": 4, "max_tokens": 64, "concurrency": 64, "cache_dir": None}
+VARIANTS["reclip_learned_judge"] = {"judge.name": "llm", "judge.options": LEARNED_JUDGE}
 ARMS = ["infonce", "reclip", "negclip", *VARIANTS]
+DIFFS = [("reclip", "infonce"), ("reclip", "negclip"), ("reclip_learned_judge", "reclip")]  # (arm - base) columns
 
 
 class Log(Progress):
@@ -88,9 +94,13 @@ def variant(job: Job, arm: str):
     new_judge = dataclasses.replace(judge, **{k[6:]: v for k, v in changes.items() if k.startswith("judge.")})
     job.cfg.rl, job.ctx.rl, job.cfg.judge, scorer.cfg = new_rl, new_rl, new_judge, new_judge
     scorer.cache.clear()
+    old_judge = scorer.judge
+    if (new_judge.name, new_judge.options) != (judge.name, judge.options):
+        scorer.judge = build_judge(new_judge.name, new_judge.options)
 
     def restore():
         job.cfg.rl, job.ctx.rl, job.cfg.judge, scorer.cfg = rl, rl, judge, judge
+        scorer.judge = old_judge
         scorer.cache.clear()
     return restore
 
@@ -136,15 +146,15 @@ def aggregate(results: list[dict], arms: list[str]) -> dict:
             values = [r[column][key] for r in results if key in r[column]]
             if values:
                 out[column][key] = (statistics.mean(values), statistics.stdev(values) if len(values) > 1 else 0.0)
-    for base in ("infonce", "negclip"):
-        if "reclip" in arms and base in arms:
-            out[f"reclip-{base}"] = {}
+    for arm, base in DIFFS:
+        if arm in arms and base in arms:
+            out[f"{arm}-{base}"] = {}
             for key in ROWS:
-                diffs = [r["reclip"][key] - r[base][key] for r in results if key in r["reclip"]]
+                diffs = [r[arm][key] - r[base][key] for r in results if key in r[arm]]
                 if diffs:
-                    out[f"reclip-{base}"][key] = (statistics.mean(diffs),
-                                                  statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
-                                                  sum(d > 0 for d in diffs))
+                    out[f"{arm}-{base}"][key] = (statistics.mean(diffs),
+                                                 statistics.stdev(diffs) if len(diffs) > 1 else 0.0,
+                                                 sum(d > 0 for d in diffs))
     return out
 
 
@@ -152,8 +162,9 @@ def markdown(agg: dict, arms: list[str], n: int) -> str:
     names = {"warm": "warm-start", "infonce": "+ InfoNCE", "reclip": "+ ReCLIP", "negclip": "+ NegCLIP (control)",
              **{v: f"+ {v}" for v in VARIANTS}}
     cols = ["warm", *arms]
-    diffs = [d for d in ("reclip-infonce", "reclip-negclip") if d in agg]
-    heads = {"reclip-infonce": "ReCLIP − InfoNCE (wins)", "reclip-negclip": "ReCLIP − NegCLIP (wins)"}
+    diffs = [f"{arm}-{base}" for arm, base in DIFFS if f"{arm}-{base}" in agg]
+    heads = {"reclip-infonce": "ReCLIP − InfoNCE (wins)", "reclip-negclip": "ReCLIP − NegCLIP (wins)",
+             "reclip_learned_judge-reclip": "learned judge − programmatic (wins)"}
     lines = ["| held-out metric (%) | " + " | ".join([names[c] for c in cols] + [heads[d] for d in diffs]) + " |",
              "|---" * (len(cols) + 1 + len(diffs)) + "|"]
     for key in ROWS:
@@ -175,6 +186,8 @@ def main() -> None:
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", nargs="+", default=["infonce", "reclip"], choices=ARMS)
     p.add_argument("--out", default="runs/reclip-bench/results.json")
+    p.add_argument("--grm-url", default="http://127.0.0.1:8001/v1",
+                   help="arm reclip_learned_judge: the served judge's base URL (benchmarks/reclip_grm.py serves one)")
     p.add_argument("--tables-only", nargs="+", metavar="RESULTS_JSON",
                    help="print the table of the seeds in these --out files (e.g. two runs of different seeds)")
     args = p.parse_args()
@@ -184,6 +197,7 @@ def main() -> None:
         print(f"\nseeds: {[r['seed'] for r in results]}")
         return
     torch.set_num_threads(1)
+    LEARNED_JUDGE["base_url"] = args.grm_url
     overrides = ["trainer.threads=1", *args.overrides]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

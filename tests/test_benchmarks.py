@@ -21,7 +21,8 @@ from smoke import SMOKE  # noqa: E402
 # benchmarks/ files that are not benchmarks: shared code, tested through the scripts that use it
 HELPERS = {"load_driver.py", "smoke.py", "gpu_check_drift.py"}
 # benchmarks with tests of their own elsewhere
-TESTED_ELSEWHERE = {"gpu_check.py": "tests/test_gpu_check.py", "gpu_check_agent.py": "tests/test_gpu_check.py"}
+TESTED_ELSEWHERE = {"gpu_check.py": "tests/test_gpu_check.py", "gpu_check_agent.py": "tests/test_gpu_check.py",
+                    "reclip_grm.py": "tests/test_reclip_grm.py"}
 
 
 def run_script(name: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

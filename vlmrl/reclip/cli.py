@@ -183,8 +183,76 @@ def cmd_export(args) -> int:
     return 0
 
 
+GRM_HELP = """Make a generative reward model with vlmrl (docs/reclip.md, "Train your own judge"):
+
+  vlmrl reclip grm-data data/grm                    # judged retrievals of the built-in scenes as data files
+  vlmrl train recipes/reclip_grm.yaml               # SFT + RL paid by agreement with the programmatic judge
+  vlmrl serve runs/reclip_grm --port 8001
+  vlmrl reclip grm-eval --base-url http://127.0.0.1:8001/v1 --model reclip_grm
+  vlmrl reclip train recipes/reclip_learned_judge.yaml    # ReCLIP with that judge (its URL in the recipe)"""
+
+
+def cmd_grm_data(args) -> int:
+    from vlmrl.reclip.grm import judged_retrievals, write_rows
+    from vlmrl.reclip.scenes import make_scenes
+
+    out = Path(args.out)
+    for split, n, items, scene_split in (("train", args.train, args.items, "train"),
+                                         ("eval", args.eval, 300, "test")):
+        rows = judged_retrievals(make_scenes(items, scene_split, args.seed), n, args.seed)
+        path = write_rows(rows, out, split)
+        kinds = {k: sum(r.kind == k for r in rows) for k in ("truth", "near", "random")}
+        print(f"wrote {path}: {n} judged retrievals among {items} {scene_split} scenes ({kinds})")
+    return 0
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _grm_table(res: dict) -> str:
+    from vlmrl.eval.metrics import format_interval
+
+    lines = [f"agreement with the programmatic judge on {res['n']} held-out retrievals "
+             f"(failed judgements: {res['failed']}, replies without a verdict: {res['no_verdict']})",
+             f"  verdict agreement  {format_interval(res['verdict_agreement'], res['verdict_ci_low'], res['verdict_ci_high'])}"
+             f"   kappa {res['kappa']:.2f}   exact (verdict and every reason) {100 * res['exact']:.1f}%",
+             f"  reasons            precision {_pct(res['reason_precision'])}   recall "
+             f"{_pct(res['reason_recall'])}   F1 {_pct(res['reason_f1'])}",
+             "  recall by attribute: " + ", ".join(f"{a} {100 * v:.0f}%" for a, v in res["recall_by_attribute"].items())]
+    for group in ("by_kind", "by_direction"):
+        for name, sub in res[group].items():
+            lines.append(f"  {name:<8} n={sub['n']:<5} verdict {100 * sub['verdict_agreement']:.1f}%   reason F1 "
+                         f"{_pct(sub['reason_f1'])}   exact {100 * sub['exact']:.1f}%")
+    lines += [f"  error: {e}" for e in res["errors"]]
+    return "\n".join(lines)
+
+
+def cmd_grm_eval(args) -> int:
+    from vlmrl.reclip.grm import GRM_TEMPLATE, MAX_REASONS, held_out_agreement
+    from vlmrl.reclip.judge import build_judge
+
+    if args.programmatic:
+        judge = build_judge("scene_graph")
+    else:
+        if not (args.base_url and args.model):
+            from vlmrl.errors import ConfigError
+
+            raise ConfigError("grm-eval needs --base-url and --model (the served judge), or --programmatic")
+        judge = build_judge("llm", {"base_url": args.base_url, "model": args.model,
+                                    "template": args.template or GRM_TEMPLATE, "max_reasons": MAX_REASONS,
+                                    "max_tokens": args.max_tokens, "cache_dir": None,
+                                    "concurrency": args.concurrency})
+    res = held_out_agreement(judge, args.n, args.seed, concurrency=args.concurrency)
+    print(_grm_table(res))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
+    return 0
+
+
 def add_parser(subparsers) -> None:
-    """Add `reclip` with its `train`, `eval` and `export` subcommands to the `vlmrl` parser."""
+    """Add `reclip` with its `train`, `eval`, `export`, `grm-data` and `grm-eval` subcommands to the `vlmrl`
+    parser."""
     r = subparsers.add_parser("reclip", help="train and evaluate CLIP-style two-tower students with ReCLIP")
     sub = r.add_subparsers(dest="reclip_command", required=True)
     t = sub.add_parser("train", help="InfoNCE warm-start + ReCLIP (or continued InfoNCE) on a recipe",
@@ -217,3 +285,23 @@ def add_parser(subparsers) -> None:
     x.add_argument("student", help="RUN_DIR/student or any saved student")
     x.add_argument("out")
     x.set_defaults(func=cmd_export)
+    g = sub.add_parser("grm-data", help="judged retrievals of the built-in scenes as data files (a judge to train)",
+                       description=GRM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g.add_argument("out", help="folder for train.jsonl, eval.jsonl and images/")
+    g.add_argument("--train", type=int, default=4000, help="training rows (retrievals among --items train scenes)")
+    g.add_argument("--eval", type=int, default=500, help="held-out rows (among 300 held-out scenes)")
+    g.add_argument("--items", type=int, default=2000, help="train scenes the retrievals are drawn among")
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(func=cmd_grm_data)
+    a = sub.add_parser("grm-eval", help="a judge's agreement with the programmatic judge on held-out retrievals",
+                       description=GRM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    a.add_argument("--base-url", help="the served judge's OpenAI-compatible base URL (.../v1)")
+    a.add_argument("--model", help="the model name the server answers to")
+    a.add_argument("--template", help="the judge prompt (default: the one grm-data writes)")
+    a.add_argument("--programmatic", action="store_true", help="evaluate the programmatic judge itself (a check)")
+    a.add_argument("--n", type=int, default=500, help="held-out retrievals")
+    a.add_argument("--seed", type=int, default=1, help="held-out retrievals' seed (grm-data's eval rows use 0)")
+    a.add_argument("--max-tokens", type=int, default=64)
+    a.add_argument("--concurrency", type=int, default=16)
+    a.add_argument("--out", help="also write the numbers as JSON here")
+    a.set_defaults(func=cmd_grm_eval)

@@ -150,11 +150,7 @@ class LLMJudge:
         self.client = None if client is not None else _judge_client(self.options)
 
     def __call__(self, query: View, retrieved: View, truth: View) -> Feedback:
-        image = retrieved.image if retrieved.image is not None else query.image
-        question = query.text or "the attached image"
-        prediction = retrieved.text or "the attached image"
-        if retrieved.image is not None:
-            prediction = "the attached image" + (f" (captioned: {retrieved.text})" if retrieved.text else "")
+        question, prediction, _, image = judge_fields(query, retrieved, truth)
         if self.fn is not None:
             prompt = RECLIP_TEMPLATE.replace("{question}", question).replace("{reference}", truth.text or "")
             prompt = prompt.replace("{prediction}", prediction).replace("{max_reasons}", "4")
@@ -164,6 +160,18 @@ class LLMJudge:
         if fb is None or fb.score is None:
             raise JudgeError(f"LLM judge: {self.client.last_error if fb is None else fb.error}")
         return from_rewards_feedback(fb)
+
+
+def judge_fields(query: View, retrieved: View, truth: View) -> tuple[str, str, str, Image.Image | None]:
+    """What an LLM judge is shown of one retrieval: (question, prediction, reference, the attached image). The query
+    (its caption, or "the attached image"), the truth's caption, the retrieved item (its caption; a retrieved image is
+    attached, with its caption when it has one; otherwise the query image is attached)."""
+    image = retrieved.image if retrieved.image is not None else query.image
+    question = query.text or "the attached image"
+    prediction = retrieved.text or "the attached image"
+    if retrieved.image is not None:
+        prediction = "the attached image" + (f" (captioned: {retrieved.text})" if retrieved.text else "")
+    return question, prediction, truth.text or "", image
 
 
 def from_rewards_feedback(fb: Any) -> Feedback:
