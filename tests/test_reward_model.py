@@ -259,3 +259,54 @@ def test_a_run_logs_several_prompts_per_step_for_an_rm(tmp_path):
     assert all((tmp_path / "run" / e["image"]).is_file() for e in entries)
     _, report = pairs_from_rollouts(tmp_path / "run")
     assert report.entries == 4
+
+
+def test_preference_kl_by_hand():
+    from vlmrl.algorithms.losses import preference_kl
+
+    # teacher p_t = 0.8 (margin ln 4), student margin 0 (p_s = 0.5):
+    # KL = 0.8 ln(0.8 / 0.5) + 0.2 ln(0.2 / 0.5) = 0.37601 - 0.18326 = 0.19274; dKL/dm_s = p_s - p_t = -0.3
+    student = torch.tensor([0.0, 1.3], requires_grad=True)
+    kl = preference_kl(student, torch.tensor([math.log(4), 1.3]))
+    assert kl.tolist() == pytest.approx([0.19274, 0.0], abs=1e-5)  # the same preference: 0
+    kl.sum().backward()
+    assert student.grad.tolist() == pytest.approx([-0.3, 0.0], abs=1e-6)
+    # a certain teacher: the Bradley-Terry loss of its ranking; T = 2 halves its margin: p_t = sigmoid(ln 2) = 2/3
+    assert preference_kl(torch.tensor([0.7]), torch.tensor([80.0])).item() == pytest.approx(
+        bradley_terry_loss(torch.tensor([0.7]), torch.tensor([0.0]))[0].item(), abs=1e-5)
+    p = 2 / 3
+    assert preference_kl(torch.tensor([0.0]), torch.tensor([math.log(4)]), temperature=2.0).item() == pytest.approx(
+        p * math.log(p / 0.5) + (1 - p) * math.log((1 - p) / 0.5), abs=1e-5)
+
+
+def _flipped_pairs(tmp_path):
+    """The separable pairs with chosen and rejected swapped: labels that say the opposite of the teacher."""
+    path = _separable_pairs(tmp_path)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    flipped = tmp_path / "flipped.jsonl"
+    flipped.write_text("".join(json.dumps({**r, "chosen": r["rejected"], "rejected": r["chosen"]}) + "\n"
+                               for r in rows))
+    return flipped
+
+
+@pytest.mark.parametrize("coef", [1.0, 0.0])
+def test_a_distilled_rm_follows_its_teacher_not_the_labels(trained_rm, tiny_model_dir, tmp_path, coef):
+    """With distill.coef = 1 the student learns the teacher's preference (tags over bare numbers) from pairs whose
+    labels say the opposite; with coef = 0 it learns the labels: the KL term is what teaches."""
+    pairs = _flipped_pairs(tmp_path)
+    cfg = load_rm_config(None, [f"data.pairs.path={pairs}", "data.heldout=0.25", "data.max_answer_tokens=16",
+                                f"model.name_or_path={tiny_model_dir}", "trainer.steps=30", "trainer.batch_size=8",
+                                "trainer.lr=1e-3", "trainer.eval_every=0", "trainer.threads=1",
+                                "trainer.tensorboard=false", f"trainer.output_dir={tmp_path / 'run'}",
+                                f"distill.teacher={trained_rm['run_dir']}", f"distill.coef={coef}"])
+    final = train_reward_model(cfg)["final"]
+    assert final["teacher_pairwise_accuracy"] <= 0.1  # the teacher disagrees with the flipped labels
+    if coef == 1.0:
+        assert final["teacher_agreement"] >= 0.9 and final["pairwise_accuracy"] <= 0.1, final
+    else:
+        assert final["teacher_agreement"] <= 0.1 and final["pairwise_accuracy"] >= 0.9, final
+
+
+def test_a_teacher_is_for_outcome_rms_only():
+    with pytest.raises(ConfigError, match="distill.teacher"):
+        load_rm_config(None, ["data.steps.path=x.jsonl", "distill.teacher=runs/rm"])

@@ -210,6 +210,18 @@ def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> tuple[Tensor, Tensor
     return -F.logsigmoid(margin), margin.detach()
 
 
+def preference_kl(student_margin: Tensor, teacher_margin: Tensor, temperature: float = 1.0) -> Tensor:
+    """Reward-model distillation: per pair, KL(teacher || student) between the two Bradley-Terry preferences
+    p_t = sigmoid(m_t / T) and p_s = sigmoid(m_s), m = r_c - r_r (the teacher's margin detached),
+
+        KL = p_t (log p_t - log p_s) + (1 - p_t) (log(1 - p_t) - log(1 - p_s)),   dKL/dm_s = p_s - p_t.
+
+    With p_t in {0, 1} it is the Bradley-Terry loss of the teacher's ranking; T > 1 softens the teacher."""
+    p_t = torch.sigmoid(teacher_margin.detach() / temperature)
+    entropy = torch.special.xlogy(p_t, p_t) + torch.special.xlogy(1 - p_t, 1 - p_t)
+    return entropy - p_t * F.logsigmoid(student_margin) - (1 - p_t) * F.logsigmoid(-student_margin)
+
+
 def aggregate(per_token: Tensor, mask: Tensor, mode: str = "token-mean", max_tokens: int | None = None,
               batch_tokens: Tensor | float | None = None, batch_sequences: int | None = None) -> Tensor:
     """Reduce a per-token loss [N, T] to a scalar.

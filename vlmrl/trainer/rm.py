@@ -20,11 +20,12 @@ from __future__ import annotations
 import time
 from dataclasses import field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
+from annotated_types import Ge, Le
 
-from vlmrl.algorithms.losses import bradley_terry_loss
+from vlmrl.algorithms.losses import bradley_terry_loss, preference_kl
 from vlmrl.config import TinyModelConfig
 from vlmrl.configlib import Count, Fraction, Name, NonNegative, Positive, PositiveInt, Rule, load, section
 from vlmrl.configlib import validate as _validate
@@ -83,6 +84,16 @@ class RMProcessConfig:
 
 
 @section
+class RMDistillConfig:
+    # reward-model distillation: a trained outcome RM (a run directory or checkpoint; any tokenizer: it scores the
+    # same texts with its own) teaches this one its preference on every training pair, through the KL between the two
+    # Bradley-Terry preferences (algorithms.losses.preference_kl); null = labels only
+    teacher: str | None = None
+    coef: Annotated[float, Ge(0), Le(1)] = 1.0  # L = (1 - coef) x Bradley-Terry on the pairs' labels + coef x KL(teacher || student)
+    temperature: Positive = 1.0  # > 1 softens the teacher's preferences
+
+
+@section
 class RMTrainerConfig:
     steps: PositiveInt = 200  # optimizer steps
     batch_size: PositiveInt = 16  # pairs per step (and per scoring chunk when evaluating)
@@ -101,6 +112,7 @@ class RMConfig:
     model: RMModelConfig = field(default_factory=RMModelConfig)
     data: RMDataConfig = field(default_factory=RMDataConfig)
     process: RMProcessConfig = field(default_factory=RMProcessConfig)
+    distill: RMDistillConfig = field(default_factory=RMDistillConfig)
     trainer: RMTrainerConfig = field(default_factory=RMTrainerConfig)
 
 
@@ -112,7 +124,14 @@ def _one_source(c: RMConfig) -> str | None:
     return None
 
 
-RULES = [Rule(("data.pairs", "data.rollouts", "data.steps"), "exactly one of them", _one_source)]
+def _distill_outcome(c: RMConfig) -> str | None:
+    if c.distill.teacher is not None and c.data.steps is not None:
+        return "distill.teacher distils an outcome RM on preference pairs; a process RM (data.steps) has none"
+    return None
+
+
+RULES = [Rule(("data.pairs", "data.rollouts", "data.steps"), "exactly one of them", _one_source),
+         Rule(("distill.teacher",), "an outcome RM's teacher", _distill_outcome)]
 
 
 def load_rm_config(path: str | Path | None = None, overrides: list[str] = ()) -> RMConfig:
@@ -173,10 +192,37 @@ def pair_scores(rm: RewardModel, pairs: list[dict]) -> tuple[torch.Tensor, torch
     return scores[:len(pairs)], scores[len(pairs):]
 
 
+def load_teacher(path: str | None) -> RewardModel | None:
+    """The distillation teacher (frozen), from a run directory (its newest checkpoint) or a checkpoint folder."""
+    if path is None:
+        return None
+    from vlmrl.models.preflight import resolve_model
+
+    teacher = RewardModel.from_pretrained(resolve_model(path, "distill.teacher"))
+    if teacher.kind != "outcome":
+        raise DataError(f"distill.teacher {path}: a {teacher.kind} reward model; the teacher must be an outcome RM "
+                        "(it ranks the pairs)")
+    for p in teacher.parameters():
+        p.requires_grad_(False)
+    return teacher.train(False)
+
+
 @torch.no_grad()
-def evaluate_pairs(rm: RewardModel, pairs: list[dict], batch_size: int = 16) -> dict[str, float]:
+def teacher_margins(teacher: RewardModel, pairs: list[dict], batch_size: int) -> torch.Tensor:
+    """The teacher's r_c - r_r on each pair, scored in chunks."""
+    parts = []
+    for start in range(0, len(pairs), batch_size):
+        chosen, rejected = pair_scores(teacher, pairs[start:start + batch_size])
+        parts.append(chosen - rejected)
+    return torch.cat(parts)
+
+
+@torch.no_grad()
+def evaluate_pairs(rm: RewardModel, pairs: list[dict], batch_size: int = 16,
+                   teacher: torch.Tensor | None = None) -> dict[str, float]:
     """Pairwise accuracy (r_c > r_r) on `pairs`, its 95% interval over prompts (a prompt's pairs resampled
-    together), the mean margin and loss."""
+    together), the mean margin and loss; with `teacher` (its margins on the same pairs), how often the two rank a
+    pair the same way (`teacher_agreement`) and the teacher's own pairwise accuracy."""
     rm.train(False)
     right: dict[str, list[bool]] = {}
     margins, losses = [], []
@@ -188,9 +234,14 @@ def evaluate_pairs(rm: RewardModel, pairs: list[dict], batch_size: int = 16) -> 
         for p, m in zip(chunk, margin.tolist(), strict=True):
             right.setdefault(prompt_key(p), []).append(m > 0)
     low, high = accuracy_interval(list(right.values()))
-    return {"pairwise_accuracy": sum(m > 0 for m in margins) / len(margins), "ci_low": low, "ci_high": high,
-            "margin": sum(margins) / len(margins), "loss": sum(losses) / len(losses), "pairs": float(len(pairs)),
-            "prompts": float(len(right))}
+    out = {"pairwise_accuracy": sum(m > 0 for m in margins) / len(margins), "ci_low": low, "ci_high": high,
+           "margin": sum(margins) / len(margins), "loss": sum(losses) / len(losses), "pairs": float(len(pairs)),
+           "prompts": float(len(right))}
+    if teacher is not None:
+        out["teacher_agreement"] = sum((m > 0) == (t > 0) for m, t in zip(margins, teacher.tolist(), strict=True)) \
+            / len(margins)
+        out["teacher_pairwise_accuracy"] = float((teacher > 0).float().mean())
+    return out
 
 
 def build_model(cfg: RMConfig, run_dir: Path, template: str) -> RewardModel:
@@ -238,6 +289,8 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
     check_answer_lengths(rm, pairs)
     logger = MetricsLogger(run_dir, t.tensorboard)
     logger.log({"pairs": len(pairs), "train_pairs": len(train_pairs), "heldout_pairs": len(held)}, 0, "data")
+    teacher = load_teacher(cfg.distill.teacher)
+    held_teacher = teacher_margins(teacher, held, t.batch_size) if teacher is not None and held else None
     optimizer = adamw(rm.parameters(), t.lr, t.weight_decay)
     stream = PromptStream(len(train_pairs), torch.Generator().manual_seed(t.seed))
     final: dict[str, float] = {}
@@ -251,17 +304,25 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
                 loss = process_loss(row_logits(rm, batch), [r["labels"] for r in batch])
                 metrics = {"loss": loss.item()}
             else:
-                losses, margin = bradley_terry_loss(*pair_scores(rm, batch))
+                chosen, rejected = pair_scores(rm, batch)
+                losses, margin = bradley_terry_loss(chosen, rejected)
+                metrics = {"margin": margin.mean().item(), "accuracy": (margin > 0).float().mean().item()}
+                if teacher is not None:
+                    taught = teacher_margins(teacher, batch, t.batch_size)
+                    kl = preference_kl(chosen - rejected, taught, cfg.distill.temperature)
+                    losses = (1 - cfg.distill.coef) * losses + cfg.distill.coef * kl
+                    metrics.update(distill_kl=kl.mean().item(),
+                                   teacher_agreement=((margin > 0) == (taught > 0)).float().mean().item())
                 loss = losses.mean()
-                metrics = {"loss": loss.item(), "margin": margin.mean().item(),
-                           "accuracy": (margin > 0).float().mean().item()}
+                metrics["loss"] = loss.item()
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(rm.parameters(), t.max_grad_norm)
             optimizer.step()
             logger.log({**metrics, "grad_norm": norm.item()}, step, "rm")
             progress.advance()
             if held and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
-                final = (evaluate_steps if process else evaluate_pairs)(rm, held, t.batch_size)
+                final = evaluate_steps(rm, held, t.batch_size) if process else \
+                    evaluate_pairs(rm, held, t.batch_size, held_teacher)
                 logger.log(final, step, "rm_eval")
     finally:
         progress.end()
