@@ -159,6 +159,7 @@ SLOW = {  # the sweeps and servers, 10-35 s each on a 2-core CPU: run with -m sl
     "torchrun_parity.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/parity.json"], "torchrun x2"),
     "prm_digits.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/prm.json"], "| best-of-2 by the PRM"),
     "rm_overoptimisation.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/rmo.json"], "kl_budget: 4 RL steps"),
+    "rm_distill.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/rmd.json"], "| many, the teacher's preference |"),
 }
 OWN_TESTS = {"serve_hostile_load.py", "trl_side_by_side.py", "trl_grpo_worker.py", "agent_step_cost.py",
              "agent_env_overlap.py", "vllm_side_by_side.py"}  # the last: tests/test_vllm_real.py (the vLLM env)
