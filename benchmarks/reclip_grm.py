@@ -66,7 +66,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/reclip-grm")
     p.add_argument("--seeds", type=int, nargs="+", default=[0], help="ReCLIP seeds (the judge is trained once)")
-    p.add_argument("--train-rows", type=int, default=4000)
+    p.add_argument("--train-rows", type=int, default=8000)
     p.add_argument("--grm", nargs="*", default=[], help="overrides of recipes/reclip_grm.yaml (e.g. trainer.steps=0)")
     p.add_argument("--reclip", nargs="*", default=[], help="overrides of the ReCLIP arms (e.g. rl.steps=100)")
     p.add_argument("--eval-n", type=int, default=500, help="held-out retrievals the agreement is measured on")
@@ -77,7 +77,8 @@ def main() -> None:
     grm, reclip, rows, eval_n = args.grm, args.reclip, args.train_rows, args.eval_n
     if args.smoke:
         rows, eval_n = 200, 40
-        grm = ["sft.steps=150", "trainer.steps=2", "trainer.eval_every=0", "data.eval.n=20", *grm]
+        grm = ["sft.steps=150", "trainer.steps=2", "trainer.eval_every=0", "data.eval.n=20", "model.tiny.hidden_size=96",
+               "model.tiny.num_layers=2", "model.tiny.intermediate_size=256", *grm]
         reclip = ["warmup.steps=5", "rl.steps=2", "data.train.n=200", "data.eval.n=60", "rl.batch_size=16",
                   "rl.candidates=8", *reclip]
     data = out / "data"

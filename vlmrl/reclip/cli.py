@@ -288,7 +288,7 @@ def add_parser(subparsers) -> None:
     g = sub.add_parser("grm-data", help="judged retrievals of the built-in scenes as data files (a judge to train)",
                        description=GRM_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     g.add_argument("out", help="folder for train.jsonl, eval.jsonl and images/")
-    g.add_argument("--train", type=int, default=4000, help="training rows (retrievals among --items train scenes)")
+    g.add_argument("--train", type=int, default=8000, help="training rows (retrievals among --items train scenes)")
     g.add_argument("--eval", type=int, default=500, help="held-out rows (among 300 held-out scenes)")
     g.add_argument("--items", type=int, default=2000, help="train scenes the retrievals are drawn among")
     g.add_argument("--seed", type=int, default=0)
