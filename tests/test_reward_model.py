@@ -310,3 +310,30 @@ def test_a_distilled_rm_follows_its_teacher_not_the_labels(trained_rm, tiny_mode
 def test_a_teacher_is_for_outcome_rms_only():
     with pytest.raises(ConfigError, match="distill.teacher"):
         load_rm_config(None, ["data.steps.path=x.jsonl", "distill.teacher=runs/rm"])
+
+
+@pytest.mark.slow  # ~1 min: two runs of 2 RL steps, one under torchrun x2
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_the_reward_under_torchrun_matches_one_process(trained_rm, tiny_model_dir, tmp_path, mode):
+    """Every rank loads the RM on its own device and scores its own answers; the run ends where one process does."""
+    from tests.test_distributed import assert_matches, run
+
+    extra = (f"model.name_or_path={tiny_model_dir}", "sft.steps=0",
+             f"rewards=[{{name: reward_model, path: {trained_rm['run_dir']}}}, {{name: accuracy, weight: 0}}]")
+    one = run(tmp_path, "single", "none", 1, extra=extra)
+    floor = run(tmp_path, "single-mb1", "none", 1, extra=(*extra, "trainer.micro_batch=1"))  # rounding alone
+    two = run(tmp_path, mode, mode, 2, extra=extra)
+    start = weights_of(tmp_path / "single" / "checkpoint-0")
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3  # the RM's reward moved the weights
+    assert_matches(one, two, floor)
+    for name in ("single", mode):
+        rows = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        steps = [r for r in rows if r["phase"] == "train"]
+        assert len(steps) == 2 and all(r["reward/reward_model/failures"] == 0 for r in steps)
+        assert all(r["reward/reward_model/count"] > 0 for r in steps)
+
+
+def weights_of(checkpoint: Path) -> dict:
+    from tests.test_distributed import weights
+
+    return weights(checkpoint)
