@@ -13,6 +13,7 @@ from vlmrl.reclip.grm import (
     agreement_score,
     judge_prompt,
     judged_retrievals,
+    judgement_reward,
     read_reply,
     reply_text,
     write_rows,
@@ -81,7 +82,8 @@ def test_agreement_by_hand():
 
 def test_the_judgement_reward_reads_replies_and_refuses_a_solution_that_is_not_one():
     gold = "- colour: red != blue\n- shape: circle != square\n[IRRELEVANT]"
-    out = REWARDS["judgement"](["- colour: red != blue\n[IRRELEVANT]", gold, "[RELEVANT]", "red", "x"],
+    assert REWARDS["judgement"] is judgement_reward  # registered once the module is imported
+    out = judgement_reward(["- colour: red != blue\n[IRRELEVANT]", gold, "[RELEVANT]", "red", "x"],
                                solution=[gold, gold, gold, gold, "three"])
     assert out[0] == pytest.approx(0.5 + 0.5 * 2 * 1 / 3)  # F1 = 2 x 1 / (1 + 2)
     assert out[1] == 1.0 and out[2] == 0.0 and out[3] == 0.0

@@ -32,6 +32,8 @@ from pathlib import Path
 from vlmrl.reclip.feedback import Feedback, Reason
 from vlmrl.reclip.judge import SceneGraphJudge, View, judge_fields
 from vlmrl.reclip.scenes import CaptionItem, caption
+from vlmrl.rewards.parsing import completion_text
+from vlmrl.rewards.registry import RewardFailure, register_reward
 
 # What the learned judge is asked: short (the tiny VLM reads every token), the fields ReCLIP's LLM judge fills.
 GRM_TEMPLATE = "Ground truth: {reference}\nRetrieved: {prediction}"
@@ -94,6 +96,25 @@ def agreement_score(predicted: Feedback | None, gold: Feedback, max_reasons: int
         return 0.0
     f1 = 1.0 if n_pred == n_gold == 0 else 2 * both / (n_pred + n_gold)
     return 0.5 * verdict + 0.5 * f1
+
+
+@register_reward("judgement", inline=True, grades=("text",))
+def judgement_reward(completions, solution, **_) -> list[float]:
+    """The reward of a model that learns to judge (recipes/reclip_grm.yaml names it
+    `vlmrl.reclip.grm:judgement_reward`; once this module is imported, also `judgement`): the solution is a judge's
+    reply (as `reply_text` writes the programmatic judge's), the completion is read as ReCLIP reads any LLM judge's
+    reply, and the value is `agreement_score`: half for the verdict, half for the reasons' F1. 1.0 is full
+    agreement, so `solved: {reward: judgement, threshold: 1.0}` counts exact agreement. A solution that is not a judge
+    reply fails that sample (fix the data), never a silent 0."""
+    out: list[float] = []
+    for completion, gold_text in zip(completions, solution, strict=True):
+        gold = read_reply(gold_text or "")
+        if gold is None:
+            out.append(RewardFailure(f"judgement: the solution {str(gold_text)[:80]!r} is not a judge reply (reasons, "
+                                     "then [RELEVANT] or [IRRELEVANT]); write it as vlmrl reclip grm-data does"))
+            continue
+        out.append(agreement_score(read_reply(completion_text(completion)), gold))
+    return out
 
 
 def _wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:

@@ -10,7 +10,6 @@ from vlmrl.rewards.boxes import box_giou, box_iou, detection_reward, giou_reward
 from vlmrl.rewards.classification import classification_reward
 from vlmrl.rewards.judge import Feedback, JudgeClient, parse_feedback
 from vlmrl.rewards.judge_reward import judge_reward
-from vlmrl.rewards.judgement import judgement_reward
 from vlmrl.rewards.reasoning import keywords_reward, process_reward
 from vlmrl.rewards.registry import (
     REWARDS,
@@ -60,7 +59,6 @@ __all__ = [
     "giou_reward",
     "iou_reward",
     "judge_reward",
-    "judgement_reward",
     "keywords_reward",
     "length_penalty",
     "parse_feedback",
