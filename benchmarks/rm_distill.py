@@ -38,17 +38,12 @@ def test_pairs(n: int, seed: int) -> list[dict]:
     return synthetic_preferences(make_task(TASK, n, "test", seed=seed), "<answer>{solution}</answer>", seed)
 
 
-def held_out(run: Path, pairs: list[dict], teacher_run: Path | None = None) -> dict:
-    """Pairwise accuracy of the RM in `run` on `pairs` (with its interval), and its agreement with the teacher."""
-    from vlmrl.models.preflight import resolve_model
-    from vlmrl.models.reward_model import RewardModel
-    from vlmrl.trainer.rm import evaluate_pairs, teacher_margins
+def held_out(run: Path, pairs: list[dict], teacher=None) -> dict:
+    """Pairwise accuracy of the RM in `run` on `pairs` (with its interval); with `teacher` (its margins on the same
+    pairs, scored once per seed), how often the RM ranks a pair as the teacher does."""
+    from vlmrl.trainer.rm import evaluate_pairs, load_teacher
 
-    teacher = None
-    if teacher_run is not None:
-        teacher = teacher_margins(RewardModel.from_pretrained(resolve_model(teacher_run, "teacher")).train(False),
-                                  pairs, 32)
-    return evaluate_pairs(RewardModel.from_pretrained(resolve_model(run, "rm")), pairs, 32, teacher)
+    return evaluate_pairs(load_teacher(str(run)), pairs, 32, teacher)
 
 
 def run_seed(seed: int, a, out: Path) -> dict:
@@ -69,11 +64,14 @@ def run_seed(seed: int, a, out: Path) -> dict:
                         "distill.coef=1.0"],
             "mixed": [f"data.pairs={{task: {TASK}, n: {a.few}}}", f"distill.teacher={teacher}", "distill.coef=0.5"],
             "labels_all": [f"data.pairs={{task: {TASK}, n: {a.pairs}}}"]}
+    from vlmrl.trainer.rm import load_teacher, teacher_margins
+
+    taught = teacher_margins(load_teacher(str(teacher)), pairs, 32)
     result = {"seed": seed, "teacher": held_out(teacher, pairs), "arms": {}}
     for arm in a.arms:
         run = out / arm
         vlmrl("rm", "train", *arms[arm], *common, f"trainer.output_dir={run}", log=out / f"{arm}.log")
-        result["arms"][arm] = held_out(run, pairs, teacher)
+        result["arms"][arm] = held_out(run, pairs, taught)
     return result
 
 

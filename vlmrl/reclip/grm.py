@@ -22,16 +22,17 @@ so the served model is asked exactly what it learned, and its reply goes through
 from __future__ import annotations
 
 import json
-import math
 import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from vlmrl.eval.metrics import wilson_interval
 from vlmrl.reclip.feedback import Feedback, Reason
-from vlmrl.reclip.judge import SceneGraphJudge, View, judge_fields
+from vlmrl.reclip.judge import SceneGraphJudge, View, from_rewards_feedback, judge_fields
 from vlmrl.reclip.scenes import CaptionItem, caption
+from vlmrl.rewards.feedback import fill_template, parse_feedback
 from vlmrl.rewards.parsing import completion_text
 from vlmrl.rewards.registry import RewardFailure, register_reward
 
@@ -62,9 +63,6 @@ def reply_text(fb: Feedback, max_reasons: int = MAX_REASONS) -> str:
 
 def read_reply(text: str, max_reasons: int = MAX_REASONS) -> Feedback | None:
     """A judge's reply as ReCLIP reads it through the LLM judge path; None when it holds no verdict."""
-    from vlmrl.reclip.judge import from_rewards_feedback
-    from vlmrl.rewards.feedback import parse_feedback
-
     fb = parse_feedback(text, max_reasons=max_reasons)
     return None if fb.score is None else from_rewards_feedback(fb)
 
@@ -117,15 +115,6 @@ def judgement_reward(completions, solution, **_) -> list[float]:
     return out
 
 
-def _wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
-    if n == 0:
-        return 0.0, 0.0
-    p = k / n
-    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
-    return max(0.0, centre - half), min(1.0, centre + half)
-
-
 def agreement(pairs: Sequence[tuple[Feedback | None, Feedback]], max_reasons: int = MAX_REASONS) -> dict:
     """How a judge agrees with the programmatic one over (predicted, gold) judgements: verdict agreement with its
     95% Wilson interval, Cohen's kappa on the verdict, reason-level precision / recall / F1 (micro, over
@@ -146,7 +135,7 @@ def agreement(pairs: Sequence[tuple[Feedback | None, Feedback]], max_reasons: in
             if pred_keys[reason_key(reason)] > 0:
                 pred_keys[reason_key(reason)] -= 1
                 hit[0] += 1
-    low, high = _wilson(verdicts, n)
+    low, high = wilson_interval(verdicts, n) if n else (0.0, 0.0)
     precision = both / n_pred if n_pred else None  # None: no reason to count (a row of relevant retrievals)
     recall = both / n_gold if n_gold else None
     gold_pos = sum(g.verdict == "relevant" for _, g in pairs) / n if n else 0.0
@@ -210,8 +199,6 @@ def _view(item: CaptionItem, direction: str) -> View:
 
 def judge_prompt(r: Retrieval, template: str = GRM_TEMPLATE):
     """(the prompt text, the attached image) that ReCLIP's LLM judge sends for this retrieval with `template`."""
-    from vlmrl.rewards.feedback import fill_template
-
     question, prediction, reference, image = judge_fields(r.query, r.retrieved, r.truth)
     text = fill_template(template, question=question, prediction=prediction, reference=reference,
                          max_reasons=MAX_REASONS)
