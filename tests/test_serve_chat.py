@@ -10,6 +10,7 @@ import contextlib
 import copy
 import io
 import json
+import math
 import threading
 import time
 
@@ -23,6 +24,7 @@ from vlmrl.config import load_config
 from vlmrl.data import make_task
 from vlmrl.eval.generative import evaluate
 from vlmrl.models import load_policy
+from vlmrl.models.forward import sequence_logprobs
 from vlmrl.rollout.batch import make_prompts
 from vlmrl.rollout.generate import generate
 from vlmrl.serve.batcher import Decoder, Job, held_back
@@ -262,6 +264,87 @@ def test_streaming_gives_the_same_text(server, client, samples):
     assert all(json.loads(x[6:])["object"] == "chat.completion.chunk" for x in lines[:-1])
 
 
+# ------------------------------------------------------------------------------------------ log-probs
+def test_logprobs_are_the_models_own_under_the_training_forward(client, model, samples):
+    """Each answer token's entry holds the log-prob the training path computes for it, teacher-forced, at
+    temperature 1 whatever the request's temperature (the model's distribution, as vLLM's default); the
+    alternatives are the most likely tokens, in order, the greedy token first."""
+    policy, s = model.policy, samples[0]
+    tokenizer, prompts = policy.processor.tokenizer, make_prompts(policy, [s], TEMPLATE)
+    for temperature in (1.0, 0.7, 0.0):
+        kw = dict(n=2, temperature=temperature, max_tokens=8, seed=4, logprobs=True, top_logprobs=5)
+        r = chat(client, user(s), **kw)
+        as_ids = chat(client, user(s), **kw, extra_body={"return_tokens_as_token_ids": True})  # vLLM's option
+        for choice, same in zip(r.choices, as_ids.choices, strict=True):
+            entries = choice.logprobs.content
+            ids = torch.tensor([int(e.token.removeprefix("token_id:")) for e in same.logprobs.content])[None]
+            assert tokenizer.decode(ids[0], skip_special_tokens=True) == choice.message.content  # EOS: no entry
+            assert [tokenizer.decode([i]) for i in ids[0].tolist()] == [e.token for e in entries]
+            assert [e.logprob for e in same.logprobs.content] == [e.logprob for e in entries]
+            forced = sequence_logprobs(policy, prompts, torch.zeros(1, dtype=torch.long), ids,
+                                       torch.ones_like(ids, dtype=torch.bool), 1.0).logprobs[0]
+            assert torch.allclose(torch.tensor([e.logprob for e in entries]), forced, atol=1e-4), temperature
+            for e in entries:
+                assert set(e.model_dump()) == {"token", "logprob", "bytes", "top_logprobs"}  # vLLM's too (slow test)
+                top = [t.logprob for t in e.top_logprobs]
+                assert len(top) == 5 and top == sorted(top, reverse=True) and e.logprob <= top[0] + 1e-6
+                assert sum(math.exp(t) for t in top) <= 1 + 1e-5 and e.bytes == list(e.token.encode())
+                if temperature == 0:
+                    assert e.top_logprobs[0].token == e.token
+    plain = chat(client, user(s), temperature=0, max_tokens=4)
+    assert plain.choices[0].logprobs is None
+    bare = chat(client, user(s), temperature=0, max_tokens=4, logprobs=True)
+    assert [e.top_logprobs for e in bare.choices[0].logprobs.content] == [[]] * 4
+
+
+def test_streamed_logprobs_are_the_replys(client, samples):
+    kw = dict(n=2, temperature=1.0, max_tokens=10, seed=3, stop="e", logprobs=True, top_logprobs=2)
+    plain = chat(client, user(samples[3]), **kw)
+    entries = {}
+    for event in chat(client, user(samples[3]), stream=True, **kw):
+        for c in event.choices:
+            if c.logprobs is not None:
+                entries.setdefault(c.index, []).extend(c.logprobs.content)
+    assert {i: [e.model_dump() for e in v] for i, v in entries.items()} == \
+        {c.index: [e.model_dump() for e in c.logprobs.content] for c in plain.choices}
+
+
+def test_prompt_logprobs_score_an_answer_the_server_did_not_write(server, client, model, samples):
+    """vLLM's way to score text: the answer as the last assistant turn, closed (add_generation_prompt false) or left
+    open (continue_final_message), and prompt_logprobs: every prompt token's entry, and the answer's tokens carry
+    the log-probs the training forward gives them after the prompt eval builds."""
+    policy, s = model.policy, samples[1]
+    tokenizer, prompts = policy.processor.tokenizer, make_prompts(policy, [s], TEMPLATE)
+    text = f"<answer>{s['solution']}</answer> so it is"
+    answer = tokenizer.encode(text, add_special_tokens=False)
+    end = policy.eos_token_ids[0]
+    for extra, tail in (({"add_generation_prompt": False}, [end]),
+                        ({"add_generation_prompt": False, "continue_final_message": True}, [])):
+        r = httpx.post(f"{server[0]}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       trust_env=False, timeout=60,
+                       json={"model": "run", "messages": [*user(s), {"role": "assistant", "content": text}],
+                             "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2, **extra}).json()
+        entries = r["prompt_logprobs"]
+        ids = [int(next(iter(e))) for e in entries[1:]]
+        start = int(prompts.attention_mask.sum())
+        assert entries[0] is None and ids[:start - 1] == prompts.input_ids[0, 1:].tolist()  # eval's prompt
+        assert ids[start - 1:start - 1 + len(answer) + len(tail)] == answer + tail, "the answer's ids, retokenised"
+        scored = torch.tensor([answer + tail])
+        forced = sequence_logprobs(policy, prompts, torch.zeros(1, dtype=torch.long), scored,
+                                   torch.ones_like(scored, dtype=torch.bool), 1.0).logprobs[0]
+        got = [e[str(t)]["logprob"] for e, t in zip(entries[start:], scored[0].tolist(), strict=False)]
+        assert torch.allclose(torch.tensor(got), forced, atol=1e-4)
+        for e in entries[1:]:
+            first, *alternatives = e.values()
+            assert 1 <= len(alternatives) <= 2 and first["rank"] >= 1
+            assert [a["rank"] for a in alternatives] == sorted(a["rank"] for a in alternatives)
+    with pytest.raises(openai.BadRequestError, match="the last message must be the assistant's"):
+        chat(client, user(s), max_tokens=1, extra_body={"add_generation_prompt": False, "prompt_logprobs": 0})
+    with pytest.raises(openai.BadRequestError, match="not streamed"):
+        chat(client, [*user(s), {"role": "assistant", "content": "3"}], max_tokens=1, stream=True,
+             extra_body={"add_generation_prompt": False, "prompt_logprobs": 0})
+
+
 def test_a_client_gone_mid_stream_does_not_break_the_batch(run_dir, samples):
     model = load_chat_model(run_dir, model_name="run")
     head = model.policy.family.lm_head
@@ -390,7 +473,8 @@ def test_bad_requests_are_400_naming_the_problem(client, samples, tmp_path):
             chat(client, messages, max_tokens=1)
         assert problem.strip() in err.value.message, (problem, err.value.message)
     for kw, param in ((dict(n=5), "n"), (dict(max_tokens=17), "max_tokens"), (dict(max_tokens=0), "max_tokens"),
-                      (dict(extra_body={"logprobs": True}), "logprobs"), (dict(temperature=3), "temperature"),
+                      (dict(logprobs=True, top_logprobs=21), "top_logprobs"), (dict(top_logprobs=2), "top_logprobs"),
+                      (dict(extra_body={"best_of": 2}), "best_of"), (dict(temperature=3), "temperature"),
                       (dict(stop=["a", "b", "c", "d", "e"]), "stop")):
         with pytest.raises(openai.BadRequestError) as err:
             chat(client, _content(png), **kw)

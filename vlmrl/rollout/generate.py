@@ -37,6 +37,7 @@ from vlmrl.models.forward import head_chunk_tokens, shared_prefill
 from vlmrl.models.policy import Policy
 
 OnToken = Callable[[Tensor, Tensor], Tensor | None]  # (tokens [N], alive [N]) -> rows to end now, or None
+OnLogits = Callable[[Tensor, Tensor], None]  # (logits [rows, vocab], each answer's row [N]), before sampling
 
 
 @dataclass
@@ -157,7 +158,8 @@ def same_rows(parent: Tensor, count: int) -> bool:
 def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], max_new_tokens: int,
              temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None,
              prompt_seeds: list[int] | None = None, on_token: OnToken | None = None,
-             share_prefixes: bool = True, chunk_rows: int | None = None) -> Rollout:
+             share_prefixes: bool = True, chunk_rows: int | None = None,
+             on_logits: OnLogits | None = None) -> Rollout:
     """Sample `group_size` completions for every prompt in one batched call (a list: that many for each prompt).
 
     With `prompt_seeds` (one per prompt), each prompt's answers draw their noise from their own random stream, so
@@ -167,6 +169,8 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
     `on_token(tokens, alive)` is called after every decoding step with the sampled tokens [N] and which rows were
     still generating [N] (a finished row's token is padding); it may return a bool [N] of rows to end after this
     token (the server's stop strings, per-request max_tokens, a client gone). The other rows are unaffected.
+    `on_logits(logits, rows)`, before each step samples: that step's logits [rows, vocab] (the model's dtype,
+    unscaled) and the row each answer reads [N] (the server's per-token log-probs); it must not change them.
 
     `chunk_rows`: answers per sampling chunk (None: `head_chunk_tokens`, 128 MiB of float32 logits per chunk; 0: all
     at once); any value gives the same answers. Chunks hold whole groups. Sampling at temperature > 0 from the one
@@ -207,6 +211,8 @@ def generate(policy: Policy, prompts: PromptBatch, group_size: int | list[int], 
     for t in range(max_new_tokens):
         logits = family.lm_head(hidden)  # [rows, vocab] in the model's dtype; float32 only chunk by chunk
         vocab = logits.shape[-1]
+        if on_logits is not None:
+            on_logits(logits, phys)
         if streams is not None and noise is None:  # one buffer for the whole loop, refilled chunk by chunk
             noise = torch.empty(max(starts[b] - starts[a] for a, b in chunks), vocab, device=device)
         tok, logp = [], []

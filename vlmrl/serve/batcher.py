@@ -56,8 +56,10 @@ def prompt_bytes(prompt: PromptBatch) -> int:
 
 @dataclass(eq=False)
 class Job:
-    """One chat request's answers. Events on `events`: ("delta", choice, text), ("end", choice, finish_reason,
-    completion_tokens, text) once per choice (`text`: the answer's final decode), or ("error", exception) once."""
+    """One chat request's answers. Events on `events`: ("delta", choice, text, logprobs), ("end", choice,
+    finish_reason, completion_tokens, text, logprobs) once per choice (`text`: the answer's final decode), or
+    ("error", exception) once. `logprobs` is None unless the job asked for them: a delta's are the entries of the
+    tokens generated since the previous delta, an end's are all of the answer's (`Decoder` says what an entry is)."""
 
     prompt: PromptBatch  # one row
     n: int
@@ -66,6 +68,8 @@ class Job:
     top_p: float
     seed: int
     stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: no log-probs; k >= 0: each token's, with its k most likely alternatives
+    token_ids: bool = False  # log-prob entries name tokens "token_id:ID" (vLLM's return_tokens_as_token_ids)
     created: float = field(default_factory=time.monotonic)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: bool = False
@@ -202,6 +206,10 @@ class Batcher:
                 finally:
                     self._running = []
 
+    async def run_exclusive(self, fn: Callable[[], object]) -> object:
+        """`fn()` in the generation thread, between generate calls (a forward of its own: prompt log-probs)."""
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
+
     # -- the worker-thread side ----------------------------------------------------------------------------------
     def _generate(self, batch: list[Job], loop: asyncio.AbstractEventLoop) -> None:
         started = time.monotonic()
@@ -219,7 +227,8 @@ class Batcher:
                 concat_prompt_batches([j.prompt for j in batch], self.policy.pad_token_id)
             temperature, top_p = batch[0].key
             generate(self.policy, prompts, [j.rows for j in batch], max(j.max_tokens for j in batch), temperature,
-                     top_p=top_p, prompt_seeds=[j.seed for j in batch], on_token=decoder.step)
+                     top_p=top_p, prompt_seeds=[j.seed for j in batch], on_token=decoder.step,
+                     on_logits=decoder.see_logits if decoder.wants_logprobs else None)
             decoder.close()
         except Exception as exc:  # the whole call failed: every job of it gets the error, the server goes on
             log.exception("generation failed for a batch of %d requests", len(batch))
@@ -237,6 +246,8 @@ class _Answer:
     ids: list[int] = field(default_factory=list)  # generated tokens, the end token excluded
     generated: int = 0  # generated tokens, the end token included (usage.completion_tokens)
     sent: str = ""  # text already sent
+    logprobs: list[dict] | None = None  # one entry per token of `ids` (when the job asked for log-probs)
+    logprobs_sent: int = 0  # entries already sent with a delta
     recent: deque = field(default_factory=deque)  # the decodes after each of the last `window` tokens
     done: bool = False
 
@@ -249,25 +260,60 @@ class _Answer:
 
 
 class Decoder:
-    """generate's `on_token` for one batch: per-row text, stop strings, max_tokens, events to the jobs' queues."""
+    """generate's `on_token` for one batch: per-row text, stop strings, max_tokens, events to the jobs' queues.
+
+    For the jobs that ask for log-probs, also generate's `on_logits`: every token of `ids` gets an entry in OpenAI's
+    format, `{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}`, under the model's
+    own distribution (softmax of the logits, before temperature and top_p, as vLLM's default), the alternatives most
+    likely first. `token` is the token's decode on its own (a byte-level piece of a character decodes as
+    "\ufffd"), or "token_id:ID" for a job with `token_ids`; `bytes` are the decode's UTF-8 bytes. The end token has
+    no entry (it is not in the text)."""
 
     def __init__(self, batch: list[Job], policy: Policy, loop: asyncio.AbstractEventLoop,
                  on_cancel: Callable[[], None] = lambda: None):
         self.tokenizer, self.loop, self.on_cancel = policy.processor.tokenizer, loop, on_cancel
         self.eos = set(policy.eos_token_ids)
         window = stable_window(self.tokenizer) + 1
-        self.answers = [_Answer(job, list(range(job.n)) if job.rows == 1 else [r], window)
+        self.answers = [_Answer(job, list(range(job.n)) if job.rows == 1 else [r], window,
+                                logprobs=None if job.logprobs is None else [])
                         for job in batch for r in range(job.rows)]
+        self.wanted = [i for i, a in enumerate(self.answers) if a.logprobs is not None]
+        self._step_logprobs: Tensor | None = None  # [len(wanted), vocab] float32, this step's
+        self._pieces: dict[int, str] = {}
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return bool(self.wanted)
+
+    def see_logits(self, logits: Tensor, rows: Tensor) -> None:
+        """generate's `on_logits`: the log-softmax of the rows the answers that asked for log-probs read."""
+        self._step_logprobs = torch.log_softmax(logits[rows[self.wanted]].float(), -1).cpu()
 
     def step(self, tokens: Tensor, alive: Tensor) -> Tensor:
-        ended = []
-        for answer, token, live in zip(self.answers, tokens.tolist(), alive.tolist(), strict=True):
+        ended, step_logprobs = [], self._step_logprobs
+        self._step_logprobs = None
+        at = {i: k for k, i in enumerate(self.wanted)} if step_logprobs is not None else {}
+        for i, (answer, token, live) in enumerate(zip(self.answers, tokens.tolist(), alive.tolist(), strict=True)):
             if live and not answer.done:
-                self._advance(answer, token)
+                row = step_logprobs[at[i]] if i in at else None
+                self._advance(answer, token, row)
             ended.append(answer.done)
         return torch.tensor(ended)
 
-    def _advance(self, answer: _Answer, token: int) -> None:
+    def _piece(self, token: int, as_id: bool) -> dict:
+        text = self._pieces.get(token)
+        if text is None:
+            text = self._pieces[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return {"token": f"token_id:{token}" if as_id else text, "bytes": list(text.encode("utf-8"))}
+
+    def _entry(self, token: int, row: Tensor, job: Job) -> dict:
+        entry = {**self._piece(token, job.token_ids), "logprob": float(row[token])}
+        values, ids = row.topk(min(job.logprobs, row.numel())) if job.logprobs else (row[:0], row[:0].long())
+        entry["top_logprobs"] = [{**self._piece(t, job.token_ids), "logprob": v}
+                                 for t, v in zip(ids.tolist(), values.tolist(), strict=True)]
+        return entry
+
+    def _advance(self, answer: _Answer, token: int, logprobs: Tensor | None = None) -> None:
         job = answer.job
         if job.cancelled:
             answer.done = True  # nobody reads it any more
@@ -277,6 +323,8 @@ class Decoder:
         if token in self.eos:
             return self._finish(answer, self._text(answer), "stop")
         answer.ids.append(token)
+        if answer.logprobs is not None and logprobs is not None:
+            answer.logprobs.append(self._entry(token, logprobs, job))
         text = self._text(answer)
         cut = min((i for i in (text.find(s) for s in job.stop) if i >= 0), default=-1)
         if cut >= 0:
@@ -293,8 +341,13 @@ class Decoder:
         """Send what `text` adds to what was sent (only ever a continuation of it)."""
         if len(text) > len(answer.sent) and text.startswith(answer.sent):
             for choice in answer.choices:
-                self._put(answer.job, ("delta", choice, text[len(answer.sent):]))
+                self._put(answer.job, ("delta", choice, text[len(answer.sent):], self._new_logprobs(answer)))
             answer.sent = text
+            answer.logprobs_sent = len(answer.ids)
+
+    @staticmethod
+    def _new_logprobs(answer: _Answer) -> list[dict] | None:
+        return None if answer.logprobs is None else answer.logprobs[answer.logprobs_sent:]
 
     def _finish(self, answer: _Answer, text: str, reason: str) -> None:
         """End the answer with its final text: a stream gets what the text adds to what it was sent, the end event
@@ -303,12 +356,13 @@ class Decoder:
             log.warning("a streamed answer's text changed after it was sent (the tokenizer's decode rewrote it "
                         "%d tokens later); the stream's text differs from the final text there", answer.window)
             for choice in answer.choices:
-                self._put(answer.job, ("delta", choice, text[len(answer.sent):]))
+                self._put(answer.job, ("delta", choice, text[len(answer.sent):], self._new_logprobs(answer)))
             answer.sent = text
+            answer.logprobs_sent = len(answer.ids)
         self._send(answer, text)
         answer.done = True
         for choice in answer.choices:
-            self._put(answer.job, ("end", choice, reason, answer.generated, text))
+            self._put(answer.job, ("end", choice, reason, answer.generated, text, answer.logprobs))
 
     def close(self) -> None:
         """After generate returned: a row still open (none should be) ends at its length."""

@@ -1,7 +1,9 @@
 """`vlmrl serve CHECKPOINT` for a generative model: an OpenAI-compatible chat API over the trained policy.
 
 - `POST /v1/chat/completions`: text and `image_url` parts (data URLs), n, temperature (0 = greedy), top_p,
-  max_tokens, stop, seed, stream (server-sent events in OpenAI's chunk format, ending `data: [DONE]`), usage counts;
+  max_tokens, stop, seed, stream (server-sent events in OpenAI's chunk format, ending `data: [DONE]`), usage counts,
+  logprobs and top_logprobs (the model's own distribution: vlmrl.serve.batcher.Decoder); vLLM's prompt_logprobs,
+  add_generation_prompt and continue_final_message, to score a conversation's last answer (vlmrl.serve.scoring);
 - `GET /v1/models`, `GET /v1/models/{id}`, `GET /healthz`, and FastAPI's schema at `/openapi.json` and `/docs`.
 
 The model loads as `vlmrl eval` loads it: `resolve_model` (a run directory -> its newest complete checkpoint), then
@@ -43,6 +45,7 @@ from vlmrl.serve.guard import (
     install_errors,
 )
 from vlmrl.serve.messages import ChatRequest, build_prompt
+from vlmrl.serve.scoring import prompt_logprobs
 
 
 @dataclass
@@ -138,7 +141,10 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
         if max_tokens is None:  # the recipe's eval.max_new_tokens, within the server's limit
             max_tokens = min(model.default_max_tokens, limits.max_tokens)
         check_limit(max_tokens, limits.max_tokens, given)
-        stop = body.stops()
+        stop, logprobs = body.stops(), body.logprob_count()
+        if body.prompt_logprobs is not None and body.stream:
+            raise RequestError(400, "prompt_logprobs are sent with the whole reply, not streamed: set stream false",
+                               "prompt_logprobs")
         request_id = f"chatcmpl-{secrets.token_hex(12)}"
         batcher.check_room()  # a full queue refuses before the images are decoded and processed
         ledger = request.state.ledger
@@ -149,9 +155,13 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
         ledger.take(prompt_bytes(prompt), "messages")
         temperature = 1.0 if body.temperature is None else body.temperature
         job = Job(prompt, body.n, max_tokens, temperature, 1.0 if body.top_p is None else body.top_p,
-                  secrets.randbits(63) if body.seed is None else body.seed, stop)
-        batcher.submit(job)
+                  secrets.randbits(63) if body.seed is None else body.seed, stop, logprobs,
+                  body.return_tokens_as_token_ids)
         head = {"id": request_id, "created": int(time.time()), "model": model.name}
+        if body.prompt_logprobs is not None:  # scored before the answer is queued, in the generation thread
+            head["prompt_logprobs"] = await batcher.run_exclusive(
+                lambda: prompt_logprobs(model.policy, prompt, body.prompt_logprobs))
+        batcher.submit(job)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return await _stream(job, head, limits.request_timeout, include_usage)
@@ -188,6 +198,10 @@ async def _next(job: Job, deadline: float, timeout: float) -> tuple:
     return event
 
 
+def _logprobs(entries: list[dict] | None) -> dict | None:
+    return None if entries is None else {"content": entries}
+
+
 def _usage(job: Job, tokens: dict[int, int]) -> dict:
     completion = sum(tokens.values())
     return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
@@ -207,13 +221,13 @@ async def _complete(job: Job, head: dict, timeout: float) -> dict:
     """The whole reply: each choice's content is its end event's text, the final decode of all its tokens (deltas
     are for streams; a tokenizer may rewrite text after it was decoded, and the reply must not lose any)."""
     deadline = job.created + timeout
-    texts, reasons, tokens = {}, {}, {}
+    texts, reasons, tokens, logprobs = {}, {}, {}, {}
     while len(reasons) < job.n:
         event = await _next(job, deadline, timeout)
         if event[0] == "end":
-            reasons[event[1]], tokens[event[1]], texts[event[1]] = event[2], event[3], event[4]
-    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
-                "finish_reason": reasons[i]} for i in range(job.n)]
+            reasons[event[1]], tokens[event[1]], texts[event[1]], logprobs[event[1]] = event[2:6]
+    choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                "logprobs": _logprobs(logprobs[i]), "finish_reason": reasons[i]} for i in range(job.n)]
     return {**head, "object": "chat.completion", "choices": choices, "usage": _usage(job, tokens)}
 
 
@@ -229,7 +243,7 @@ async def _stream(job: Job, head: dict, timeout: float, include_usage: bool):
     async def events():
         yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None} for i in range(job.n)])
-        ended, tokens = set(), {}
+        ended, tokens, sent = set(), {}, {}
         while True:
             try:
                 event = await _next(job, deadline, timeout)
@@ -237,12 +251,16 @@ async def _stream(job: Job, head: dict, timeout: float, include_usage: bool):
                 yield f"data: {json.dumps(error_body(exc.status, exc.message))}\n\n"
                 return
             if event[0] == "delta":
-                yield chunk([{"index": event[1], "delta": {"content": event[2]}, "logprobs": None,
+                if event[3] is not None:
+                    sent[event[1]] = sent.get(event[1], 0) + len(event[3])
+                yield chunk([{"index": event[1], "delta": {"content": event[2]}, "logprobs": _logprobs(event[3]),
                               "finish_reason": None}])
-            else:
+            else:  # the end: with the entries of tokens whose text was never sent (a stop string's)
                 ended.add(event[1])
                 tokens[event[1]] = event[3]
-                yield chunk([{"index": event[1], "delta": {}, "logprobs": None, "finish_reason": event[2]}])
+                rest = None if event[5] is None else event[5][sent.get(event[1], 0):]
+                yield chunk([{"index": event[1], "delta": {}, "logprobs": _logprobs(rest),
+                              "finish_reason": event[2]}])
             if len(ended) == job.n:
                 break
         if include_usage:

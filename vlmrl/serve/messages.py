@@ -78,7 +78,21 @@ class ChatRequest(_Strict):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    logprobs: bool = False  # each answer token's log-prob (vlmrl.serve.batcher.Decoder)
+    top_logprobs: int | None = Field(None, ge=0, le=20)  # and that many most likely alternatives at each token
+    return_tokens_as_token_ids: bool = False  # vLLM's option: an entry's token is "token_id:ID", not its text
+    # vLLM's options for scoring a conversation: the log-prob of every prompt token (with that many alternatives),
+    # and a last assistant turn rendered closed (add_generation_prompt false) or left open (continue_final_message)
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     user: str | None = None  # accepted and ignored (OpenAI's abuse-tracking id)
+
+    def logprob_count(self) -> int | None:
+        """None when no log-probs are asked for, else how many alternatives each token's entry lists."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -92,13 +106,21 @@ def conversation(request: ChatRequest, limits: ServeLimits, template: str, ledge
     """The processor's message list and the decoded images, in order (each paid for from `ledger` before it is
     decoded, and decoded toward `fit_pixels`: vlmrl.serve.images). 400 for a message the model cannot take."""
     messages = request.messages
-    if messages[-1].role != "user":
+    scoring = not request.add_generation_prompt or request.continue_final_message
+    if request.add_generation_prompt and request.continue_final_message:
+        raise RequestError(400, "continue_final_message needs add_generation_prompt: false (the last assistant turn "
+                                "is continued, not a new one begun)", "continue_final_message")
+    if scoring and messages[-1].role != "assistant":
+        raise RequestError(400, f"messages[{len(messages) - 1}]: add_generation_prompt false or "
+                                "continue_final_message: the last message must be the assistant's (the answer "
+                                f"scored or continued), not {messages[-1].role!r}", "messages")
+    if not scoring and messages[-1].role != "user":
         raise RequestError(400, f"messages[{len(messages) - 1}]: the last message must be the user's (the server "
                                 f"writes the assistant's answer), not {messages[-1].role!r}", "messages")
     parts = [[m.content] if isinstance(m.content, str) else list(m.content or []) for m in messages]
     n_images = sum(isinstance(p, ImagePart) for row in parts for p in row)
     check_limit(n_images, limits.max_images, "messages (images in one request)", low=0)
-    last_user = len(messages) - 1
+    last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)  # its text: {problem}
     turns, images = [], []
     for i, (message, row) in enumerate(zip(messages, parts, strict=True)):
         role = "system" if message.role == "developer" else message.role
@@ -131,7 +153,7 @@ def build_prompt(processor: VLProcessor, request: ChatRequest, limits: ServeLimi
 
     turns, images = conversation(request, limits, template, ledger, fit_pixels)
     try:
-        text = processor.chat_text(turns)
+        text = processor.chat_text(turns, request.add_generation_prompt, request.continue_final_message)
     except TemplateError as exc:
         raise RequestError(400, f"messages: the model's chat template refuses this conversation ({exc}); send one "
                                 "user message, or system + user", "messages") from None

@@ -212,14 +212,18 @@ class VLProcessor:
             self.prompt_texts.put(key, text)
         return text
 
-    def chat_text(self, messages: list[dict]) -> str:
+    def chat_text(self, messages: list[dict], add_generation_prompt: bool = True,
+                  continue_final_message: bool = False) -> str:
         """A conversation (`{"role", "content": [{"type": "image"} | {"type": "text", "text"}]}` turns) rendered
         with the chat template, generation prompt on; `system_prompt` goes first when it has no system turn.
-        `prompt_text` is its one-user-turn case; the server (vlmrl.serve.chat) renders whole conversations."""
+        `prompt_text` is its one-user-turn case; the server (vlmrl.serve.chat) renders whole conversations, and a
+        conversation ending with an answer to score (the generation prompt off; `continue_final_message`: the last
+        assistant turn left open, as transformers renders it)."""
         if self.system_prompt and not (messages and messages[0]["role"] == "system"):
             messages = [{"role": "system", "content": [{"type": "text", "text": self.system_prompt}]}, *messages]
         return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                  add_generation_prompt=True)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message)
 
     def process_images(self, images: list) -> ImageInputs:
         raise NotImplementedError
