@@ -11,7 +11,8 @@ a model it does not serve), "400image" (vLLM's reply when a text-only model is s
 "length": a reasoning parser cut before `</think>`), "length" (text without a verdict, finish_reason "length"),
 "disconnect" (the headers and half the body, then the connection closes). `script` is consumed one fault per
 request, in arrival order; then `rules` apply ({substring of the prompt: fault}, every time); else "ok".
-The default judge answers [RELEVANT] when the graded answer equals the reference, else [IRRELEVANT].
+The default judge answers [RELEVANT] when the graded answer equals the reference, else [IRRELEVANT]; a `reply`
+function may return (content, log-prob entries), sent as `logprobs.content` when the request asks for log-probs.
 GET /v1/models lists `served` (the model names). `port=0` takes a free port.
 """
 
@@ -169,7 +170,13 @@ class JudgeServer:
                     if fault == "slow":
                         time.sleep(server.slow_seconds)
                     text = "I cannot decide." if fault == "noverdict" else server.reply(prompt)
-                    self._send(200, json.dumps(completion(body.get("model"), text)).encode())
+                    logprobs = None
+                    if isinstance(text, tuple):  # (content, the choice's logprobs.content entries)
+                        text, logprobs = text
+                    reply = completion(body.get("model"), text)
+                    if logprobs is not None and body.get("logprobs"):
+                        reply["choices"][0]["logprobs"] = {"content": logprobs}
+                    self._send(200, json.dumps(reply).encode())
 
         return Handler
 

@@ -210,6 +210,10 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def _auc(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def _grm_table(res: dict) -> str:
     from vlmrl.eval.metrics import format_interval
 
@@ -220,6 +224,10 @@ def _grm_table(res: dict) -> str:
              f"  reasons            precision {_pct(res['reason_precision'])}   recall "
              f"{_pct(res['reason_recall'])}   F1 {_pct(res['reason_f1'])}",
              "  recall by attribute: " + ", ".join(f"{a} {100 * v:.0f}%" for a, v in res["recall_by_attribute"].items())]
+    if res["graded"]:
+        lines.append(f"  graded ({res['graded']} with P(relevant), {_pct(res['uncertain'])} between 0.01 and 0.99): "
+                     f"ROC AUC {_auc(res['auc_probability'])} (the tag alone {_auc(res['auc_tag'])}), Brier "
+                     f"{res['brier']:.3f}")
     for group in ("by_kind", "by_direction"):
         for name, sub in res[group].items():
             lines.append(f"  {name:<8} n={sub['n']:<5} verdict {100 * sub['verdict_agreement']:.1f}%   reason F1 "
@@ -242,7 +250,7 @@ def cmd_grm_eval(args) -> int:
         judge = build_judge("llm", {"base_url": args.base_url, "model": args.model,
                                     "template": args.template or GRM_TEMPLATE, "max_reasons": MAX_REASONS,
                                     "max_tokens": args.max_tokens, "cache_dir": None,
-                                    "concurrency": args.concurrency})
+                                    "concurrency": args.concurrency, "graded": args.graded})
     res = held_out_agreement(judge, args.n, args.seed, concurrency=args.concurrency)
     print(_grm_table(res))
     if args.out:
@@ -299,6 +307,8 @@ def add_parser(subparsers) -> None:
     a.add_argument("--model", help="the model name the server answers to")
     a.add_argument("--template", help="the judge prompt (default: the one grm-data writes)")
     a.add_argument("--programmatic", action="store_true", help="evaluate the programmatic judge itself (a check)")
+    a.add_argument("--graded", action="store_true",
+                   help="ask for token log-probs and also rank by the judge's P(relevant) (ROC AUC, Brier)")
     a.add_argument("--n", type=int, default=500, help="held-out retrievals")
     a.add_argument("--seed", type=int, default=1, help="held-out retrievals' seed (grm-data's eval rows use 0)")
     a.add_argument("--max-tokens", type=int, default=64)

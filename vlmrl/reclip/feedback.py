@@ -14,6 +14,10 @@ Reward (`feedback_reward`): the verdict gives the global weight, each reason an 
 
     r = verdict_weights[verdict] - sum_{reason} penalties[attribute(reason)],   clipped to [min_reward, 1].
 
+A graded judge (an LLM judge whose server returns token log-probs, `judge.options.graded`) also gives P(relevant),
+the probability it put on [RELEVANT] where it wrote the tag; the verdict's weight is then the expected one,
+p * verdict_weights[relevant] + (1 - p) * verdict_weights[irrelevant].
+
 Self-compression (`compress`) keeps only the reasons that bear on the decision before the reward is computed: none
 for a relevant verdict, and for the others only mismatches, once each, about attributes the reward knows.
 """
@@ -72,11 +76,13 @@ class Reason:
 
 @dataclass
 class Feedback:
-    """A judge's verdict on one retrieved item: verdict (one of VERDICTS), optional score, reasons."""
+    """A judge's verdict on one retrieved item: verdict (one of VERDICTS), optional score, reasons, and a graded
+    judge's P(relevant) (`probability`)."""
 
     verdict: str
     reasons: list[Reason] = field(default_factory=list)
     score: float | None = None
+    probability: float | None = None
 
     def __str__(self) -> str:
         return format_feedback(self)
@@ -136,7 +142,7 @@ def compress(fb: Feedback, keep: Mapping[str, float] | None = None) -> tuple[Fee
     agreements, repeats and (when `keep` is given) attributes outside `keep` are dropped. Returns the compressed
     feedback and how many reasons were dropped."""
     if fb.verdict == "relevant":
-        return Feedback(fb.verdict, [], fb.score), len(fb.reasons)
+        return Feedback(fb.verdict, [], fb.score, fb.probability), len(fb.reasons)
     kept, seen = [], set()
     for reason in fb.reasons:
         key = (reason.attribute, (reason.expected or "").lower(), (reason.got or "").lower(), reason.text.lower())
@@ -144,12 +150,15 @@ def compress(fb: Feedback, keep: Mapping[str, float] | None = None) -> tuple[Fee
             continue
         seen.add(key)
         kept.append(reason)
-    return Feedback(fb.verdict, kept, fb.score), len(fb.reasons) - len(kept)
+    return Feedback(fb.verdict, kept, fb.score, fb.probability), len(fb.reasons) - len(kept)
 
 
 def feedback_reward(fb: Feedback, verdict_weights: Mapping[str, float] = DEFAULT_VERDICT_WEIGHTS,
                     penalties: Mapping[str, float] = DEFAULT_PENALTIES, min_reward: float = -1.0) -> float:
-    """r = verdict_weights[verdict] - sum of penalties[attribute] over the reasons, clipped to [min_reward, 1]."""
-    r = verdict_weights[fb.verdict] - sum(penalties.get(reason.attribute, penalties.get("other", 0.0))
+    """r = verdict_weights[verdict] - sum of penalties[attribute] over the reasons, clipped to [min_reward, 1]; a
+    graded verdict weighs p * verdict_weights[relevant] + (1 - p) * verdict_weights[irrelevant]."""
+    weight = verdict_weights[fb.verdict] if fb.probability is None else \
+        fb.probability * verdict_weights["relevant"] + (1 - fb.probability) * verdict_weights["irrelevant"]
+    r = weight - sum(penalties.get(reason.attribute, penalties.get("other", 0.0))
                                           for reason in fb.reasons)
     return float(min(1.0, max(min_reward, r)))

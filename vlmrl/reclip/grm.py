@@ -119,7 +119,8 @@ def agreement(pairs: Sequence[tuple[Feedback | None, Feedback]], max_reasons: in
     """How a judge agrees with the programmatic one over (predicted, gold) judgements: verdict agreement with its
     95% Wilson interval, Cohen's kappa on the verdict, reason-level precision / recall / F1 (micro, over
     (attribute, expected, got)), per-attribute recall, exact agreement (verdict and every reason), replies without a
-    verdict."""
+    verdict; and, over the judgements a graded judge gave a P(relevant) (`graded`), how well it ranks the gold
+    verdicts: ROC AUC of the probability beside that of the tag alone, and the Brier score (`graded_metrics`)."""
     n = len(pairs)
     verdicts = both = n_pred = n_gold = exact = 0
     per_attr: dict[str, list[int]] = {}
@@ -151,7 +152,28 @@ def agreement(pairs: Sequence[tuple[Feedback | None, Feedback]], max_reasons: in
         "exact": exact / n if n else 0.0,
         "no_verdict": sum(p is None for p, _ in pairs),
         "recall_by_attribute": {a: hit / total for a, (hit, total) in sorted(per_attr.items())},
+        **graded_metrics(pairs),
     }
+
+
+def graded_metrics(pairs: Sequence[tuple[Feedback | None, Feedback]]) -> dict:
+    """Over the pairs whose judgement has a P(relevant): how many (`graded`), the share the judge hesitated on
+    (`uncertain`: 0.01 < p < 0.99), the ROC AUC of that probability and of the tag (1 relevant, 0 not) against the
+    gold verdict, and the Brier score of the probability; None where there are no such pairs or only one gold
+    verdict among them."""
+    from sklearn.metrics import roc_auc_score
+
+    graded = [(p, g) for p, g in pairs if p is not None and p.probability is not None]
+    gold = [g.verdict == "relevant" for _, g in graded]
+    out = {"graded": len(graded), "uncertain": None, "auc_probability": None, "auc_tag": None, "brier": None}
+    if graded:
+        probs = [p.probability for p, _ in graded]
+        out["uncertain"] = sum(0.01 < q < 0.99 for q in probs) / len(graded)
+        out["brier"] = sum((q - y) ** 2 for q, y in zip(probs, gold, strict=True)) / len(graded)
+        if len(set(gold)) == 2:
+            out["auc_probability"] = float(roc_auc_score(gold, probs))
+            out["auc_tag"] = float(roc_auc_score(gold, [p.verdict == "relevant" for p, _ in graded]))
+    return out
 
 
 def judged_retrievals(items: Sequence[CaptionItem], n: int, seed: int, weights: Sequence[float] = (0.25, 0.4, 0.35),

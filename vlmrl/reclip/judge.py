@@ -177,13 +177,14 @@ def judge_fields(query: View, retrieved: View, truth: View) -> tuple[str, str, s
 def from_rewards_feedback(fb: Any) -> Feedback:
     """`vlmrl.rewards.feedback.Feedback` (verdict tag or 0-10 score, +/- reasons) -> ReCLIP's Feedback: the tag
     gives the verdict (a score alone: 1 relevant, 0 irrelevant, else partial); "-" and unsigned reasons are parsed
-    into attribute-level reasons."""
+    into attribute-level reasons; a graded judge's P(RELEVANT) is kept (`Feedback.probability`)."""
     if fb.verdict in ("RELEVANT", "IRRELEVANT"):
         verdict = fb.verdict.lower()
     else:
         verdict = "relevant" if fb.score >= 1.0 else "irrelevant" if fb.score <= 0.0 else "partial"
     reasons = [parse_reason(text) for text, sign in zip(fb.reasons, fb.signals, strict=True) if sign <= 0]
-    return Feedback(verdict, reasons, None if fb.verdict else fb.score)  # a tag's 1/0 score says nothing more
+    # a tag's 1/0 score says nothing more than the tag
+    return Feedback(verdict, reasons, None if fb.verdict else fb.score, fb.probability)
 
 
 def _judge_client(options: dict[str, Any]):

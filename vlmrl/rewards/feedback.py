@@ -9,6 +9,7 @@ Used by the `judge` reward and by the ReCLIP track (which trains on the reasons)
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -48,9 +49,11 @@ class Feedback:
     """A parsed judge reply.
 
     verdict: "RELEVANT" / "IRRELEVANT", or None (no tag, or both tags).
-    score: the scalar reward in [0, 1]: 1.0 / 0.0 from the verdict, else the 0-10 rating / 10, else None.
+    score: the scalar reward in [0, 1]: 1.0 / 0.0 from the verdict (a graded judge: `probability`), else the 0-10
+        rating / 10, else None.
     reasons: at most `max_reasons` short reasons, in order; signals: +1.0 (a "+" reason), -1.0 ("-"), 0.0 (other).
-    raw: the reply as received; error: why no score could be read (None when `score` is set)."""
+    raw: the reply as received; error: why no score could be read (None when `score` is set).
+    probability: a graded judge's P(RELEVANT) at the token that decided the verdict (`verdict_probability`)."""
 
     verdict: str | None
     score: float | None
@@ -58,10 +61,11 @@ class Feedback:
     signals: list[float] = field(default_factory=list)
     raw: str = ""
     error: str | None = None
+    probability: float | None = None
 
     def to_dict(self) -> dict:
         return {"verdict": self.verdict, "score": self.score, "reasons": self.reasons, "signals": self.signals,
-                "raw": self.raw, "error": self.error}
+                "raw": self.raw, "error": self.error, "probability": self.probability}
 
 
 def fill_template(template: str, **values: object) -> str:
@@ -108,3 +112,42 @@ def parse_feedback(text: str, max_reasons: int | None = None) -> Feedback:
     if score is None:
         error = "the reply holds both verdict tags" if len(verdicts) > 1 else "no verdict tag or score in the reply"
     return Feedback(verdict, score, reasons, signals, text or "", error)
+
+
+def verdict_probability(entries: list[dict] | None) -> float | None:
+    """P(RELEVANT) at the token that decides the reply's last verdict tag, from the reply's per-token log-probs
+    (OpenAI's `choices[0].logprobs.content`: each entry's `token`, `logprob` and `top_logprobs`); None when the
+    entries do not show the decision (no entries, no tag in them, or the tag's token has no alternatives listed).
+
+    The two tags agree up to their second character ("[R..." vs "[IR..."). At the token that writes that character,
+    every listed alternative that continues the same text up to it and then writes the start of one tag counts
+    toward that tag: P = m(RELEVANT) / (m(RELEVANT) + m(IRRELEVANT)), each m the sum of its alternatives'
+    probabilities (the token written counts once, listed or not). A tag the alternatives never start has m = 0."""
+    if not entries:
+        return None
+    texts = [str(e.get("token", "")) for e in entries]
+    text = "".join(texts)
+    tags = list(_VERDICT.finditer(text))
+    if not tags:
+        return None
+    at = tags[-1].start(1)  # the tag's first letter: where the two tags differ
+    start, k = 0, 0  # entry k writes text[start:start + len(texts[k])], the character at `at` among it
+    while start + len(texts[k]) <= at:
+        start += len(texts[k])
+        k += 1
+    entry, piece = entries[k], texts[k]
+    if not entry.get("top_logprobs"):
+        return None
+    before = text[start:at]  # what the deciding token writes before the tags differ (often "[" or nothing)
+    options = {piece: float(entry["logprob"]), **{str(o.get("token", "")): float(o["logprob"])
+                                                  for o in entry.get("top_logprobs") or []}}
+    mass = {POSITIVE: 0.0, NEGATIVE: 0.0}
+    for token, logprob in options.items():
+        if not token.startswith(before) or len(token) == len(before):
+            continue
+        rest = token[len(before):].upper().lstrip()
+        for tag in (POSITIVE, NEGATIVE):
+            if rest and (f"{tag}]".startswith(rest) or rest.startswith(tag)):
+                mass[tag] += math.exp(logprob)
+    total = mass[POSITIVE] + mass[NEGATIVE]
+    return mass[POSITIVE] / total if total > 0 else None

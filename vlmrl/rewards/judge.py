@@ -49,13 +49,14 @@ from pathlib import Path
 from typing import Any
 
 from vlmrl.cache import BoundedLRU
-from vlmrl.rewards.feedback import TEMPLATES, Feedback, fill_template, parse_feedback
+from vlmrl.rewards.feedback import TEMPLATES, Feedback, fill_template, parse_feedback, verdict_probability
 from vlmrl.rewards.judge_http import ChatEndpoint, DeadlinePassed, JudgeAuthError, JudgeError, JudgeRefused, Reply
 from vlmrl.rewards.registry import FatalRewardError
 
 __all__ = ["Feedback", "JudgeAuthError", "JudgeClient", "JudgeError", "JudgeRefusedError", "JudgeResult",
            "encode_image", "parse_feedback"]
 DEFAULT_CACHE_DIR = "~/.cache/vlmrl/judge"
+GRADED_TOP_LOGPROBS = 5  # alternatives a graded judge asks for at each token
 # a request's outcome -> the counter it adds to (one each)
 OUTCOMES = {"verdict": "verdicts", "cached": "cache_hits", "http_failure": "http_failures",
             "no_verdict": "no_verdict", "cut": "cut_at_max_tokens", "deadline": "deadline_misses",
@@ -109,43 +110,46 @@ def encode_image(image: Any, max_bytes: int = 512_000) -> str:
     raise ValueError(f"could not encode an image under image_max_bytes={max_bytes}")
 
 
-def _reply_bytes(key: str, content: str) -> int:
-    return sys.getsizeof(key) + sys.getsizeof(content)
+def _reply_bytes(key: str, reply: tuple[str, float | None]) -> int:
+    return sys.getsizeof(key) + sys.getsizeof(reply[0]) + 24
 
 
 class JudgeCache:
     """Replies on disk, one JSON file per key under `folder` (written atomically), plus an in-memory copy of the
-    recent ones (a BoundedLRU of `memory_mb` MiB: a long run's replies would otherwise all stay in memory)."""
+    recent ones (a BoundedLRU of `memory_mb` MiB: a long run's replies would otherwise all stay in memory). A reply
+    is its text and, for a graded judge, its verdict's probability (None otherwise)."""
 
     def __init__(self, folder: str | Path | None, memory_mb: float = 64):
         self.folder = Path(folder).expanduser() if folder else None
-        self._memory: BoundedLRU[str, str] = BoundedLRU(int(memory_mb * 2**20), 65_536, _reply_bytes)
+        self._memory: BoundedLRU[str, tuple[str, float | None]] = BoundedLRU(int(memory_mb * 2**20), 65_536,
+                                                                              _reply_bytes)
 
     @staticmethod
     def key(model: str, messages: list[dict], settings: dict) -> str:
         blob = json.dumps({"model": model, "messages": messages, "settings": settings}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()
 
-    def get(self, key: str) -> str | None:
-        text = self._memory.get(key)
-        if text is not None or self.folder is None:
-            return text
+    def get(self, key: str) -> tuple[str, float | None] | None:
+        reply = self._memory.get(key)
+        if reply is not None or self.folder is None:
+            return reply
         path = self.folder / key[:2] / f"{key}.json"
         try:
-            text = json.loads(path.read_text())["content"]
+            saved = json.loads(path.read_text())
+            reply = (str(saved["content"]), None if saved.get("probability") is None else float(saved["probability"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        self._memory.put(key, text)
-        return text
+        self._memory.put(key, reply)
+        return reply
 
-    def put(self, key: str, model: str, content: str) -> None:
-        self._memory.put(key, content)
+    def put(self, key: str, model: str, content: str, probability: float | None = None) -> None:
+        self._memory.put(key, (content, probability))
         if self.folder is None:
             return
         path = self.folder / key[:2] / f"{key}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps({"model": model, "content": content}))
+        tmp.write_text(json.dumps({"model": model, "content": content, "probability": probability}))
         os.replace(tmp, path)
 
 
@@ -160,6 +164,9 @@ class JudgeClient:
         besides `max_retries`. refusal_limit: identical 4xx refusals in a row that stop training (0: never).
     circuit_failures: requests in a row that failed for good before the circuit opens (0: never opens);
         circuit_cooldown: seconds it stays open.
+    graded: ask for the reply's token log-probs (`logprobs`, `top_logprobs` 5) and make a verdict's score the
+        judge's probability of [RELEVANT] at the token that decides the tag (`verdict_probability`), not 1 or 0.
+        A reply whose log-probs do not show that decision keeps its tag's 1 or 0 and counts as `ungraded`.
     stats: the counters of the module docstring, since the client was made."""
 
     def __init__(self, base_url: str, model: str, *, api_key_env: str | None = None, template: str | None = None,
@@ -168,21 +175,27 @@ class JudgeClient:
                  image_max_bytes: int = 512_000, max_tokens: int = 256, temperature: float = 0.0,
                  backoff_base: float = 0.5, backoff_max: float = 30.0, retry_after_max: float = 60.0,
                  connect_window: float = 180.0, refusal_limit: int = 3, system_prompt: str | None = None,
-                 circuit_failures: int = 8, circuit_cooldown: float = 60.0):
+                 circuit_failures: int = 8, circuit_cooldown: float = 60.0, graded: bool = False):
         if mode not in TEMPLATES:
             raise ValueError(f"judge mode={mode!r}: expected one of {sorted(TEMPLATES)}")
+        if graded and mode != "verdict":
+            raise ValueError(f"judge graded=true reads the probability of a verdict tag; mode={mode!r} asks for a "
+                             "score: use mode verdict, or leave graded off")
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model, self.mode, self.max_reasons = model, mode, max_reasons
         self.template = template or TEMPLATES[mode]
         self.image_max_bytes, self.system_prompt = image_max_bytes, system_prompt
         self.settings = {"max_tokens": max_tokens, "temperature": temperature}
+        self.graded = graded
+        if graded:  # part of the cache key: a graded reply is not a plain one
+            self.settings.update(logprobs=True, top_logprobs=GRADED_TOP_LOGPROBS)
         self.api_key_env = api_key_env
         api_key = os.environ.get(api_key_env) if api_key_env else None
         if api_key_env and not api_key:
             raise JudgeAuthError(f"judge {self.url}: the environment variable {api_key_env} that should hold the API "
                                  "key is not set; export it, or remove api_key_env for a server without a key")
         self.cache = JudgeCache(cache_dir)
-        self.stats = dict.fromkeys((*OUTCOMES.values(), *ATTEMPT_COUNTERS, "circuit_opens"), 0)
+        self.stats = dict.fromkeys((*OUTCOMES.values(), *ATTEMPT_COUNTERS, "circuit_opens", "ungraded"), 0)
         self.last_error: str | None = None
         self.refusal_limit = refusal_limit
         self.circuit_failures, self.circuit_cooldown = circuit_failures, circuit_cooldown
@@ -249,9 +262,12 @@ class JudgeClient:
             self._count(OUTCOMES[result.outcome])
         return results
 
-    def _parse(self, text: str, raw: bool) -> Feedback:
+    def _parse(self, text: str, raw: bool, probability: float | None = None) -> Feedback:
         if not raw:
-            return parse_feedback(text, self.max_reasons)
+            feedback = parse_feedback(text, self.max_reasons)
+            if probability is not None and feedback.verdict is not None:
+                feedback.score = feedback.probability = probability
+            return feedback
         return Feedback(None, 1.0 if text.strip() else None, raw=text, error=None if text.strip() else "empty reply")
 
     def _judge_one(self, messages: list[dict], deadline: float | None = None, raw: bool = False) -> JudgeResult:
@@ -260,7 +276,7 @@ class JudgeClient:
         key = JudgeCache.key(self.model, messages, self.settings)
         cached = self.cache.get(key)
         if cached is not None:
-            return JudgeResult(self._parse(cached, raw), cached=True, outcome="cached")
+            return JudgeResult(self._parse(cached[0], raw, cached[1]), cached=True, outcome="cached")
         if deadline is not None and time.monotonic() >= deadline:
             return JudgeResult(None, f"judge {self.url}: not judged before the batch deadline", outcome="deadline")
         wait = self._open_until - time.monotonic()
@@ -286,9 +302,14 @@ class JudgeClient:
 
     def _verdict(self, key: str, reply: Reply, raw: bool = False) -> JudgeResult:
         """The result of a reply: a verdict (cached), or a reply without one, saying why."""
-        feedback = self._parse(reply.content or "", raw)
+        probability = None
+        if self.graded and not raw:
+            probability = verdict_probability(reply.logprobs)
+        feedback = self._parse(reply.content or "", raw, probability)
         if feedback.score is not None:
-            self.cache.put(key, self.model, reply.content or "")
+            if self.graded and not raw and probability is None:
+                self._count("ungraded")
+            self.cache.put(key, self.model, reply.content or "", probability)
             return JudgeResult(feedback, attempts=reply.attempts)
         outcome, why = "no_verdict", feedback.error
         if reply.finish_reason == "length":

@@ -68,11 +68,14 @@ class JudgeAuthError(FatalRewardError):
 @dataclass
 class Reply:
     """A chat completion: `content` (None when the server sent `content: null`), `finish_reason` ("stop",
-    "length", ...; None if absent) and the HTTP attempts it took."""
+    "length", ...; None if absent), the HTTP attempts it took, and the per-token log-prob entries
+    (`choices[0].logprobs.content`) and vLLM's `prompt_logprobs` when the server sent them."""
 
     content: str | None
     finish_reason: str | None
     attempts: int
+    logprobs: list[dict] | None = None
+    prompt_logprobs: list[dict | None] | None = None
 
 
 class ChatEndpoint:
@@ -232,7 +235,8 @@ def chat_reply(raw: bytes, attempts: int) -> Reply | None:
     """choices[0].message.content (text parts joined) and finish_reason of a chat completion, or None when the body
     is not one. `content: null` is a reply without text, not a malformed one."""
     try:
-        choice = json.loads(raw)["choices"][0]
+        body = json.loads(raw)
+        choice = body["choices"][0]
         message = choice["message"]
         content = message.get("content")
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
@@ -242,4 +246,10 @@ def chat_reply(raw: bytes, attempts: int) -> Reply | None:
     if content is not None and not isinstance(content, str):
         return None
     finish = choice.get("finish_reason") if isinstance(choice, dict) else None
-    return Reply(content, finish if isinstance(finish, str) else None, attempts)
+    logprobs = choice.get("logprobs") if isinstance(choice, dict) else None
+    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(entries, list) or not all(isinstance(e, dict) and "logprob" in e for e in entries):
+        entries = None
+    scored = body.get("prompt_logprobs") if isinstance(body, dict) else None
+    return Reply(content, finish if isinstance(finish, str) else None, attempts, entries,
+                 scored if isinstance(scored, list) else None)

@@ -48,6 +48,7 @@ def judge_reward(
     refusal_limit: int = 3,
     circuit_failures: int = 8,
     circuit_cooldown: float = 60.0,
+    graded: bool = False,
     send_images: bool = True,
     prediction: str = "answer",
     strict: bool = True,
@@ -57,8 +58,9 @@ def judge_reward(
     completion_truncated: list[bool] | None = None,
     **columns: Any,
 ) -> list[float | None]:
-    """The judge's score in [0, 1] for each answer: 1.0 for [RELEVANT], 0.0 for [IRRELEVANT] (mode "verdict"), or
-    N/10 (mode "score"), from the model `model` at the OpenAI-compatible `base_url` (see `JudgeClient` for every
+    """The judge's score in [0, 1] for each answer: 1.0 for [RELEVANT], 0.0 for [IRRELEVANT] (mode "verdict"; with
+    `graded`, the judge's probability of [RELEVANT] read from the reply's token log-probs), or N/10 (mode "score"),
+    from the model `model` at the OpenAI-compatible `base_url` (see `JudgeClient` for every
     option; `cache_dir: null` turns the disk cache off).
 
     What is graded: prediction="answer" (default) sends the answer block, selected as in `accuracy` (`strict`: the
@@ -75,7 +77,7 @@ def judge_reward(
     training with the server's message (0: never).
     Logged per step: reward/judge/failures (samples whose value failed) and the client's counters for this batch
     (`JudgeClient`: verdicts, cache_hits, http_failures, no_verdict, cut_at_max_tokens, deadline_misses,
-    short_circuited, one per distinct request; requests, retries, timeouts, ... per HTTP attempt). Identical
+    short_circuited, one per distinct request; ungraded, graded verdicts whose reply showed no decision; requests, retries, timeouts, ... per HTTP attempt). Identical
     requests in a batch (a group's repeated answers) are sent once."""
     if prediction not in ("answer", "completion"):
         raise ValueError(f"prediction={prediction!r}: expected 'answer' or 'completion'")
@@ -84,7 +86,7 @@ def judge_reward(
                         cache_dir=cache_dir, image_max_bytes=image_max_bytes, max_tokens=max_tokens,
                         temperature=temperature, backoff_base=backoff_base, connect_window=connect_window,
                         refusal_limit=refusal_limit, circuit_failures=circuit_failures,
-                        circuit_cooldown=circuit_cooldown)
+                        circuit_cooldown=circuit_cooldown, graded=graded)
     deadline = None if batch_timeout is None else time.monotonic() + batch_timeout
     n = len(completions)
     questions = per_sample(columns.get(question_column), n, "")
