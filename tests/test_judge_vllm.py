@@ -23,13 +23,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from PIL import Image
 
 from vlmrl.rewards import RewardSpec, compute_rewards
-from vlmrl.rewards.judge import OUTCOMES, JudgeClient, JudgeRefusedError
+from vlmrl.rewards.judge import GRADED_TOP_LOGPROBS, OUTCOMES, JudgeClient, JudgeRefusedError
 
 pytestmark = pytest.mark.slow
 SERVED = "judge-model"
+LOGPROB_ENTRY_KEYS = {"token", "logprob", "bytes", "top_logprobs"}  # OpenAI's, as vlmrl serve sends them
 START_SECONDS = 600  # vLLM on a 2-core CPU: imports, model load, KV-cache set-up
 
 BUILD = r'''
@@ -105,6 +107,12 @@ def vllm_python() -> str:
     return python
 
 
+class ServerURL(str):
+    """The server's base URL, with the folder of the model it serves (`model_dir`)."""
+
+    model_dir: str
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,7 +135,8 @@ def vllm_server(tmp_path_factory):
                              "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "512",
                              "--dtype", "float32", "--max-num-seqs", "4"],
                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
-    base = f"http://127.0.0.1:{port}/v1"
+    base = ServerURL(f"http://127.0.0.1:{port}/v1")
+    base.model_dir = str(root / "model")
 
     def tail() -> str:
         log.flush()
@@ -191,3 +200,49 @@ def test_a_model_the_server_does_not_serve_is_named(vllm_server):
     with pytest.raises(JudgeRefusedError, match=rf"HTTP 404.*the server serves \['{SERVED}'\]"):
         client.judge_many([client.messages("q", f"a{i}", "r") for i in range(3)])
     assert client.stats["refused"] == 2 and client.stats["requests"] == 2
+
+
+def test_a_graded_judges_request_and_vllms_logprobs(vllm_server):
+    """vLLM accepts what a graded judge asks for, and its log-prob entries have the shape `vlmrl serve` sends
+    (tests/test_serve_chat.py) and `verdict_probability` reads: the same keys, the alternatives most likely first."""
+    client = JudgeClient(vllm_server, SERVED, cache_dir=None, timeout=120.0, concurrency=1, max_tokens=6, graded=True)
+    messages = client.messages("What colour?", "blue", "red")
+    reply = client.complete(messages)
+    assert reply.logprobs is not None and 1 <= len(reply.logprobs) <= 6
+    for e in reply.logprobs:
+        assert set(e) == LOGPROB_ENTRY_KEYS and len(e["top_logprobs"]) == GRADED_TOP_LOGPROBS
+        assert all(set(t) == {"token", "logprob", "bytes"} for t in e["top_logprobs"])
+        top = [t["logprob"] for t in e["top_logprobs"]]
+        assert top == sorted(top, reverse=True) and e["logprob"] <= top[0] + 1e-5
+    assert abs(reply.logprobs[0]["logprob"] - reply.logprobs[0]["top_logprobs"][0]["logprob"]) < 1e-4  # greedy
+    result = client.judge_many([messages])[0]  # random weights: no tag, a counted reply without a verdict
+    assert result.outcome in ("no_verdict", "cut") and client.stats["http_failures"] == 0
+
+
+def test_vllm_scores_a_conversation_as_a_served_teacher_expects(vllm_server):
+    """What vlmrl.trainer.served_teacher sends (the answer as a closed or open last assistant turn,
+    add_generation_prompt false, prompt_logprobs 0, max_tokens 1), vLLM accepts; its prompt_logprobs are what
+    `vlmrl serve` returns (tests/test_serve_chat.py): None, then {id: {logprob, rank, decoded_token}} per prompt
+    token, the ids the model's chat template gives, and the log-probs of transformers' own forward of the model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = Path(vllm_server.model_dir)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    conversation = [{"role": "user", "content": "Question: What colour is the circle?"},
+                    {"role": "assistant", "content": "Answer to grade: red"}]
+    for open_turn in (False, True):
+        body = {"model": SERVED, "messages": conversation, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
+                "add_generation_prompt": False, "continue_final_message": open_turn}
+        r = httpx.post(f"{vllm_server}/chat/completions", json=body, timeout=120, trust_env=False)
+        assert r.status_code == 200, r.text[:500]
+        entries = r.json()["prompt_logprobs"]
+        ids = tokenizer.apply_chat_template(conversation, tokenize=True, add_generation_prompt=False,
+                                            continue_final_message=open_turn, return_dict=True)["input_ids"]
+        assert entries[0] is None and [int(next(iter(e))) for e in entries[1:]] == ids[1:]
+        assert all(set(next(iter(e.values()))) >= {"logprob", "rank", "decoded_token"} for e in entries[1:])
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0, :-1].float()
+        expected = torch.log_softmax(logits, -1).gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+        got = torch.tensor([next(iter(e.values()))["logprob"] for e in entries[1:]])
+        assert torch.allclose(got, expected, atol=1e-3), (got - expected).abs().max()

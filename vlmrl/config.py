@@ -247,8 +247,12 @@ class CurriculumConfig:
 class DistillConfig:
     # on-policy distillation (docs/algorithms.md): a frozen teacher scores the student's own answers, and every answer
     # token's advantage gets -coef x (log p_student - log p_teacher), the per-token reverse KL, beside the rewards'
-    teacher: str | None = None  # a checkpoint or model folder (a run directory: its last checkpoint); same vocabulary
+    teacher: str | None = None  # a checkpoint or model folder (a run directory: its last checkpoint) or a URL; same vocabulary
     coef: NonNegative = 1.0  # weight of the per-token reverse-KL advantage against the rewards' advantage
+    # a teacher served at a URL (http://HOST:PORT/v1: vllm serve, vlmrl serve) that returns prompt log-probs:
+    teacher_model: str | None = None  # the model id it serves (null: the one GET /models lists)
+    teacher_api_key_env: str | None = None  # the environment variable holding its API key (null: no key)
+    teacher_concurrency: PositiveInt = 8  # scoring requests in flight
 
 
 @section
@@ -586,6 +590,11 @@ def _distill(c: Config) -> str | None:
                 "curriculum's solved/unsolved filters keep only groups whose rewards differ, and without a weighted "
                 "reward none do; set algorithm.dynamic_sampling=false curriculum.filter_solved=false "
                 "curriculum.filter_unsolved=false, or give a reward a weight")
+    served = str(c.distill.teacher).startswith(("http://", "https://"))
+    if served and c.rollout.temperature != 1.0:
+        return (f"distill.teacher {c.distill.teacher} is served: a server returns log-probs at temperature 1, the "
+                f"student's are at rollout.temperature={c.rollout.temperature:g}; sample at rollout.temperature=1 "
+                "or use a local teacher (a checkpoint folder)")
     return None
 
 
@@ -627,9 +636,9 @@ RULES: tuple[Rule, ...] = (
          "asynchronous rollouts run without ReMax or DPO, and with dynamic sampling or a curriculum only with one "
          "minibatch and no replay; rollout ranks are asynchronous, without dynamic sampling, curricula, LoRA or vLLM",
          _off_policy),
-    Rule(("distill.teacher", "rewards", "algorithm.dynamic_sampling"), "`distill.teacher` works with the "
-         "policy-gradient losses (not DPO or gae); alone (no reward of positive weight) it runs without dynamic "
-         "sampling and the solved/unsolved filters", _distill),
+    Rule(("distill.teacher", "rewards", "algorithm.dynamic_sampling", "rollout.temperature"), "`distill.teacher` "
+         "works with the policy-gradient losses (not DPO or gae); alone (no reward of positive weight) it runs without "
+         "dynamic sampling and the solved/unsolved filters; a served teacher needs rollout.temperature 1", _distill),
 )
 
 

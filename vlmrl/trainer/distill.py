@@ -11,7 +11,8 @@ these advantages is then the reverse KL's policy gradient). It is added to the v
 recipe mixes the two with `distill.coef` (the reward weights set the other side). Both log-probs are taken at the
 rollout's temperature, on the same prompt ids and images, in the update's chunks; the teacher is frozen.
 
-The teacher is any policy checkpoint or HF VLM folder the trainer can load (`distill.teacher`); it must split text
+The teacher is any policy checkpoint or HF VLM folder the trainer can load (`distill.teacher`), or the URL of a server
+that returns prompt log-probs (vlmrl.trainer.served_teacher); it must split text
 into the same ids as the student: its tokenizer's whole vocabulary is compared with the student's (size and hash)
 and a different one is refused before any step, naming both, since a log-prob of another vocabulary's token id is
 a log-prob of another token.
@@ -22,6 +23,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from vlmrl.errors import ConfigError
+from vlmrl.trainer.served_teacher import ServedTeacher, is_served
 
 
 def check_same_vocabulary(student_tokenizer, teacher_tokenizer, where: str) -> None:
@@ -40,10 +42,12 @@ def check_same_vocabulary(student_tokenizer, teacher_tokenizer, where: str) -> N
 class Teacher:
     """The frozen teacher (`logprobs` as `Reference.logprobs`) and the weight of its advantage."""
 
+    stats: dict[str, float] = {}  # nothing to report (a served teacher reports its unscored answers)
+
     def __init__(self, reference, coef: float):
         self.reference, self.coef = reference, coef
 
-    def logprobs(self, *args, **kwargs) -> Tensor:
+    def logprobs(self, *args, samples=None, student=None, **kwargs) -> Tensor:
         return self.reference.logprobs(*args, **kwargs)
 
 
@@ -55,6 +59,10 @@ def load_teacher(cfg, policy, device) -> Teacher | None:
 
     if cfg.distill.teacher is None:
         return None
+    if is_served(cfg.distill.teacher):
+        d = cfg.distill
+        return ServedTeacher(d.teacher, policy, cfg.data.prompt_template, d.coef, d.teacher_model,
+                             d.teacher_api_key_env, d.teacher_concurrency)
     m = cfg.model
     path = resolve_model(cfg.distill.teacher, "distill.teacher")
     teacher = load_policy(path, dtype=m.dtype, device=device, min_pixels=m.min_pixels, max_pixels=m.max_pixels,

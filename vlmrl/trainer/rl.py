@@ -275,7 +275,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
         if ctx.teacher is not None:  # on-policy distillation: the student's and the teacher's log-probs of its tokens
             if policy_logprobs is None:
                 policy_logprobs = score_batch(ctx.policy, *args, **chunks).logprobs
-            teacher_logprobs = ctx.teacher.logprobs(*args, **chunks)
+            teacher_logprobs = ctx.teacher.logprobs(*args, samples=batch.samples, student=policy_logprobs, **chunks)
         if ctx.critic is not None:
             values = ctx.critic.values(*args, **chunks)
         if reward_kl and batch.greedy is not None:  # ReMax: the greedy baseline's own KL, summed over its tokens
@@ -301,7 +301,7 @@ def build_trajectories(ctx: StepContext, batch: Batch) -> Trajectories:
     if ctx.teacher is not None:
         advantages, distilled = distill_advantages(advantages, policy_logprobs, teacher_logprobs, mask,
                                                    ctx.teacher.coef)
-        batch.stats = {**batch.stats, **distilled}
+        batch.stats = {**batch.stats, **distilled, **ctx.teacher.stats}
     loss_mask = mask * (~rollout.truncated).to(mask.device).long()[:, None] if algo.overlong_filter else mask
     loss_mask = loss_mask * scored.long()[:, None]  # a failed reward: no loss (its advantage is 0 too)
     images = torch.tensor([len(batch.samples[i].get("images") or []) for i in rollout.prompt_index.tolist()])
