@@ -99,6 +99,10 @@ class ChatEndpoint:
         self._refused_since: float | None = None  # time.monotonic() of the first refused connection since a reply
         self._lock = threading.Lock()
 
+    def models(self) -> list[str]:
+        """The model ids `GET base_url/models` lists (raises httpx's errors, or KeyError/TypeError on another body)."""
+        return [m["id"] for m in self._http.get(self.base_url + "/models").json()["data"]]
+
     def post(self, payload: dict, deadline: float | None = None) -> Reply:
         """The reply to `payload`, retrying as the module docstring says. Raises JudgeError when the retries are
         spent, JudgeRefused on a 4xx, DeadlinePassed when `deadline` came first, JudgeAuthError on 401/403."""

@@ -54,22 +54,17 @@ class ServedTeacher:
         if api_key_env and not api_key:
             raise ConfigError(f"distill.teacher_api_key_env={api_key_env}: that environment variable is not set")
         self.policy, self.template, self.coef = policy, template, coef
-        self.counts: dict[str, int] = {}
         self.endpoint = ChatEndpoint(base_url, api_key=api_key, api_key_env=api_key_env, timeout=timeout,
                                      max_retries=3, backoff_base=0.5, backoff_max=10.0, retry_after_max=30.0,
-                                     connect_window=60.0, concurrency=concurrency, count=self._count)
+                                     connect_window=60.0, concurrency=concurrency, count=lambda _name: None)
         self.model = model or self._only_model()
         self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="vlmrl-teacher")
         self.stats: dict[str, float] = {}
         self._warned = False
 
-    def _count(self, name: str) -> None:
-        self.counts[name] = self.counts.get(name, 0) + 1
-
     def _only_model(self) -> str:
-        url = self.endpoint.base_url + "/models"
         try:
-            served = [m["id"] for m in self.endpoint._http.get(url).json()["data"]]
+            served = self.endpoint.models()
         except Exception as exc:  # noqa: BLE001 - any failure is reported the same way
             raise ConfigError(f"distill.teacher {self.endpoint.base_url}: GET /models failed ({exc}); is the "
                               "teacher served there? Name its model with distill.teacher_model") from None
@@ -85,8 +80,10 @@ class ServedTeacher:
         return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": parts},
                 {"role": "assistant", "content": answer}]
 
-    def score(self, sample: dict, prompt_ids: list[int], answer_ids: list[int], ended: bool) -> list[float] | None:
-        """The teacher's log-probs of `answer_ids` after the student's `prompt_ids`, or None (module docstring)."""
+    def score(self, sample: dict, prompt_ids: list[int], answer_ids: list[int], ended: bool
+              ) -> tuple[list[float] | None, str | None]:
+        """The teacher's log-probs of `answer_ids` after the student's `prompt_ids`, or None (module docstring),
+        and why not."""
         tokenizer = self.policy.processor.tokenizer
         text = tokenizer.decode(answer_ids[:-1] if ended else answer_ids, skip_special_tokens=False)
         payload = {"model": self.model, "messages": self.messages(sample, text), "max_tokens": 1,
@@ -95,18 +92,17 @@ class ServedTeacher:
         try:
             entries = self.endpoint.post(payload).prompt_logprobs
         except Exception as exc:  # noqa: BLE001 - a failed request leaves this answer unscored, counted
-            log.warning("distill.teacher: scoring an answer failed: %s", exc)
-            return None
+            return None, f"the request failed: {exc}"
         if not entries:
-            return None
+            return None, "the reply has no prompt_logprobs (a server that does not score prompts)"
         expected = prompt_ids + answer_ids
         try:
             ids = [int(next(iter(e))) for e in entries[1:len(expected)]]
             if ids != expected[1:]:
-                return None
-            return [float(entries[len(prompt_ids) + j][str(t)]["logprob"]) for j, t in enumerate(answer_ids)]
+                return None, "the teacher read other ids than the student (another spelling, tokenizer or template)"
+            return [float(entries[len(prompt_ids) + j][str(t)]["logprob"]) for j, t in enumerate(answer_ids)], None
         except (KeyError, TypeError, ValueError, StopIteration, IndexError):
-            return None
+            return None, "the reply's prompt_logprobs are not vLLM's {id: {logprob, ...}} entries"
 
     def logprobs(self, prompts, prompt_index: Tensor, completion_ids: Tensor, completion_mask: Tensor,
                  temperature: float, *, samples: list[dict], student: Tensor, **_chunks) -> Tensor:
@@ -122,7 +118,8 @@ class ServedTeacher:
             prompt = prompts.input_ids[p][prompts.attention_mask[p].bool()].tolist()
             answer = completion_ids[n][completion_mask[n].bool()].tolist()
             rows.append((samples[p], prompt, answer, bool(answer) and answer[-1] in eos))
-        scored = list(self._pool.map(lambda r: self.score(*r), rows))
+        results = list(self._pool.map(lambda r: self.score(*r), rows))
+        scored = [values for values, _ in results]
         out = student.detach().clone()
         for n, values in enumerate(scored):
             if values is not None:
@@ -130,9 +127,10 @@ class ServedTeacher:
                 out[n, cols] = torch.tensor(values, dtype=out.dtype, device=out.device)
         unscored = sum(v is None for v in scored)
         self.stats = {"distill/unscored": unscored / max(1, len(scored))}
-        if unscored and not self._warned:
+        if unscored and not self._warned:  # once per run; distill/unscored shows every step
             self._warned = True
-            log.warning("distill.teacher %s: %d of %d answers got no teacher score this step (a failed request, or "
-                        "the teacher read other ids than the student: see distill/unscored); they carry no "
-                        "distillation term", self.endpoint.base_url, unscored, len(scored))
+            why = next(error for _, error in results if error)
+            log.warning("distill.teacher %s: %d of %d answers got no teacher score this step (the first: %s); "
+                        "they carry no distillation term (distill/unscored)", self.endpoint.base_url, unscored,
+                        len(scored), why)
         return out
