@@ -23,21 +23,23 @@ from .test_train_e2e import GRPO, SMALL
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch_nodes(tmp_path: Path, name: str, *args: str) -> list[subprocess.Popen]:
-    """Two launchers of one 2-node job (one process per node). The first one started hosts the rendezvous store (it
-    binds the endpoint); the second starts once the store listens, so which launcher hosts it is known."""
+def launch_nodes(tmp_path: Path, name: str, *args: str, command: tuple[str, ...] = ("train",)
+                 ) -> list[subprocess.Popen]:
+    """Two launchers of one 2-node job (one process per node) of `vlmrl COMMAND ARGS`. The first one started hosts
+    the rendezvous store (it binds the endpoint); the second starts once the store listens, so which launcher hosts it
+    is known."""
     port, run_id = free_port(), f"{name}-{os.getpid()}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
-               "-m", "vlmrl", "train", *args]
+               "-m", "vlmrl", *command, *args]
     nodes = []
     for node in (0, 1):
         deadline = time.monotonic() + 60
         while node and not listening(port) and time.monotonic() < deadline:
             time.sleep(0.05)
         with open(tmp_path / f"{name}-node{node}.log", "w") as log:
-            nodes.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
+            nodes.append(subprocess.Popen(launcher, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path))
     return nodes
 
 

@@ -116,8 +116,9 @@ class ReclipTrainerConfig:
     eval_every: Count = 0  # RL steps between held-out evaluations (0 = only before and after)
     save_students: bool = True  # write RUN_DIR/student-start and RUN_DIR/student (standalone, loadable folders)
     # under torchrun: "ddp" = each rank embeds, judges and backpropagates its share of every batch, the pool is the
-    # global batch (embeddings gathered with their gradients) and gradients are summed (vlmrl/reclip/parallel.py)
-    distributed: Literal["none", "ddp"] = "none"
+    # global batch (embeddings gathered with their gradients) and gradients are summed (vlmrl/reclip/parallel.py);
+    # "fsdp2" = the same, with the towers' trainable blocks sharded over the ranks (FSDP2's fully_shard)
+    distributed: Literal["none", "ddp", "fsdp2"] = "none"
     save_every: Count = 0  # RL steps between checkpoints (RUN_DIR/checkpoint-STEP); 0 = none
     resume: str = ""  # a RUN_DIR/checkpoint-STEP folder: continue its RL phase exactly (the warm-start is skipped)
     precision: Literal["fp32", "bf16"] = "fp32"  # bf16: the towers under torch.autocast (GPUs; on a CPU it is slower)
@@ -156,6 +157,10 @@ RULES: tuple[Rule, ...] = (
         "rl.counterfactuals=0") if c.rl.counterfactuals and not c.rl.anchor_weight else None),
     Rule(("judge.verdict_weights", "judge.penalties"), "`judge.verdict_weights` has exactly the verdicts as keys; "
          "weights and penalties are finite numbers", _judge_weights),
+    Rule(("trainer.distributed", "rl.kl_weight"), "`rl.kl_weight` > 0 under `ddp` or in one process, not `fsdp2`",
+         lambda c: ("rl.kl_weight > 0 keeps a copy of the warm-start student as its reference, which is not built "
+                    "for sharded towers: use trainer.distributed=ddp, or rl.kl_weight=0")
+         if c.trainer.distributed == "fsdp2" and c.rl.kl_weight > 0 else None),
 )
 
 

@@ -119,14 +119,16 @@ class EmbeddedStudent(TwoTower):
             torch.manual_seed(seed)
             return cls(cfg, text, tokenizer, image)
 
-    def save_pretrained(self, path: str | Path) -> Path:
-        """A standalone folder: weights (safetensors), both configs and the tokenizer; no package weights needed to
-        load it, only the `efficientnet-lite-pytorch` code."""
+    def save_pretrained(self, path: str | Path, state_dict: dict | None = None) -> Path:
+        """A standalone folder: weights (safetensors; `state_dict` instead of the module's own, e.g. the whole
+        tensors of a sharded student), both configs and the tokenizer; no package weights needed to load it, only
+        the `efficientnet-lite-pytorch` code."""
         from safetensors.torch import save_file
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in self.state_dict().items()}, str(path / "model.safetensors"))
+        weights = self.state_dict() if state_dict is None else state_dict
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model.safetensors"))
         self.text_tower.config.to_json_file(str(path / "text_config.json"))
         self.tokenizer.save_pretrained(path)
         (path / MARKER).write_text(json.dumps({"kind": self.kind, "config": asdict(self.cfg)}, indent=2))
@@ -148,6 +150,10 @@ class EmbeddedStudent(TwoTower):
         self.requires_grad_(False)
         for module in self._trainable_modules():
             module.requires_grad_(True)
+
+    def shard_units(self) -> list[nn.Module]:
+        """The trainable MBConv blocks and BERT layers (the heads, head conv and scale stay whole)."""
+        return list(self.image_tower._blocks[self.cut_image:]) + list(self.text_tower.encoder.layer[self.cut_text:])
 
     def _trainable_modules(self) -> list[nn.Module]:
         net = self.image_tower

@@ -9,6 +9,14 @@ the clip and the optimizer step (data parallel, as DDP does). The update therefo
 within float rounding (the ranks embed in other batch shapes, so similarities differ in their last bits: a top-k pick
 between two candidates that tie within rounding may go the other way; sampled picks do not flip). Judgements are memoised on each rank and every step's new ones are shared with all ranks;
 held-out evaluation, logs and saved students are rank 0's.
+
+`trainer.distributed=fsdp2` is the same with the student's trainable blocks (`TwoTower.shard_units`: MBConv blocks
+and BERT layers, a CLIP's or SigLIP's transformer layers) sharded by FSDP2's `fully_shard`: each rank holds a
+1/world slice of their weights, gradients and Adam moments, the blocks' weights are gathered for each forward, and
+their gradients reduce-scattered (FSDP2's mean, times the number of ranks: each rank's loss is already its share of
+the global batch's, so the gradient is the sum). The rest (heads, scale, frozen prefix) stays whole on every rank and is summed as under ddp. The gradient
+norm is the whole gradient's (sharded squares summed over the ranks), so clipping and the step equal ddp's. Held-out
+evaluation, saved students and checkpoints gather the blocks whole first (every rank takes part).
 """
 
 from __future__ import annotations
@@ -64,6 +72,59 @@ class Parallel:
             gathered.append(part[:hi - lo])
         return torch.cat(gathered)
 
+    @property
+    def sharded(self) -> bool:
+        return self.info.mode == "fsdp2" and self.world > 1
+
+    def shard(self, student) -> None:
+        """FSDP2 over `student.shard_units()` (fsdp2 only; see the module docstring)."""
+        if not self.sharded:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        units = student.shard_units()
+        if not units:
+            from vlmrl.errors import ConfigError
+
+            raise ConfigError(f"trainer.distributed=fsdp2: the {student.kind} student has no trainable blocks to shard "
+                              "(its towers are frozen); use trainer.distributed=ddp")
+        for unit in units:
+            fully_shard(unit, mesh=self._mesh())
+
+    def full_state_dict(self, module: torch.nn.Module) -> dict | None:
+        """fsdp2: `module`'s weights whole, on CPU (every rank must call); otherwise None (its own will do)."""
+        if not self.sharded:
+            return None
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _mesh(self):
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        kind = "cuda" if str(self.info.device).startswith("cuda") else "cpu"
+        if self.info.group is not None:
+            return DeviceMesh.from_group(self.info.group, kind)
+        return init_device_mesh(kind, (self.world,))
+
+    def clip_gradients(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """torch.nn.utils.clip_grad_norm_'s clip by the whole gradient's norm, for whole and sharded gradients alike
+        (a sharded one's squares are summed over the ranks); returns that norm."""
+        if not self.sharded:
+            return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        grads = [p.grad for p in params if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        shard_sq = sum((g.float().pow(2).sum() for g, d in zip(local, grads, strict=True) if hasattr(d, "to_local")),
+                       torch.zeros((), device=local[0].device if local else "cpu"))
+        dist.all_reduce(shard_sq, group=self.info.group)
+        whole_sq = sum((g.float().pow(2).sum() for g, d in zip(local, grads, strict=True) if not hasattr(d, "to_local")),
+                       torch.zeros_like(shard_sq))
+        norm = (shard_sq + whole_sq).sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for g in local:
+            g.mul_(coef.to(g.dtype))
+        return float(norm)
+
     def broadcast_parameters(self, module: torch.nn.Module) -> None:
         """Rank 0's parameters and buffers on every rank."""
         if self.world > 1:
@@ -71,8 +132,13 @@ class Parallel:
                 dist.broadcast(tensor.data, src=0, group=self.info.group)
 
     def sum_gradients(self, params: list[torch.nn.Parameter]) -> None:
-        """Each parameter's gradient summed over the ranks (one flat all-reduce)."""
-        if self.world == 1:
+        """Each whole parameter's gradient summed over the ranks (one flat all-reduce); a sharded one's FSDP2 has
+        reduce-scattered in the backward already, as a mean (gloo has no pre-scaled sum), made the sum here."""
+        for p in params:
+            if hasattr(p, "to_local") and p.grad is not None:
+                p.grad.to_local().mul_(self.world)
+        params = [p for p in params if not hasattr(p, "to_local")]
+        if self.world == 1 or not params:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])

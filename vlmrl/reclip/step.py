@@ -339,6 +339,6 @@ def _apply(ctx: StepContext, loss: torch.Tensor, max_norm: float) -> float:
     loss.backward()
     params = [p for g in ctx.optimizer.param_groups for p in g["params"]]
     ctx.par.sum_gradients(params)  # each rank's loss is its share of the batch's: the sum is the whole gradient
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    norm = ctx.par.clip_gradients(params, max_norm if max_norm > 0 else float("inf"))
     ctx.optimizer.step()
-    return float(norm)
+    return norm

@@ -67,10 +67,19 @@ class HFTwoTower(TwoTower):
     def logit_scale(self) -> torch.Tensor:
         return self.model.logit_scale.reshape(())
 
-    def save_pretrained(self, path: str | Path) -> Path:
+    def shard_units(self) -> list[nn.Module]:
+        """The towers' transformer layers (the classes HF never splits, `_no_split_modules`) that train."""
+        names = set(getattr(self.model, "_no_split_modules", None) or [])
+        return [m for m in self.model.modules() if type(m).__name__ in names
+                and any(p.requires_grad for p in m.parameters())]
+
+    def save_pretrained(self, path: str | Path, state_dict: dict | None = None) -> Path:
+        """`save_pretrained` of the model, tokenizer and image processor; `state_dict` (the student's names,
+        "model." first) instead of the module's own, e.g. the whole tensors of a sharded student."""
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path)
+        weights = None if state_dict is None else {k.removeprefix("model."): v for k, v in state_dict.items()}
+        self.model.save_pretrained(path, state_dict=weights)
         self.tokenizer.save_pretrained(path)
         self.image_processor.save_pretrained(path)
         (path / MARKER).write_text(json.dumps({"kind": self.kind, "max_text_length": self.max_text_length}))

@@ -38,7 +38,7 @@ from vlmrl.reclip.scenes import CaptionItem
 from vlmrl.reclip.step import Bank, Scorer, StepContext, infonce_step, reclip_step
 from vlmrl.reclip.store import InputStore
 from vlmrl.reclip.students import TwoTower, hf_student_from_config, load_hf_student, load_student
-from vlmrl.trainer.distributed import NullLogger, broadcast_object, init_distributed
+from vlmrl.trainer.distributed import NullLogger, broadcast_object, gathered, init_distributed
 from vlmrl.trainer.logger import MetricsLogger
 from vlmrl.trainer.run import Progress, fresh_run_dir, seed_everything
 
@@ -97,21 +97,28 @@ class Job:
         return self.ctx.student
 
     def evaluate(self) -> dict[str, float]:
-        """Held-out metrics (rank 0 only under torchrun: the others return {})."""
-        if self.ctx.par.rank != 0:
-            return {}
-        e = self.cfg.eval
-        if self.encoders is None:
-            self.encoders = make_encoders(self.student, self.held_out, self.zero_shot, e.batch_size)
-        return evaluate_student(self.student, self.held_out, self.zero_shot, e.ks, e.templates, e.batch_size,
-                                self.encoders)
+        """Held-out metrics (rank 0 only under torchrun: the others return {}; under fsdp2 every rank gathers the
+        sharded blocks first)."""
+        with gathered(self.student):
+            if self.ctx.par.rank != 0:
+                return {}
+            e = self.cfg.eval
+            if self.encoders is None:
+                self.encoders = make_encoders(self.student, self.held_out, self.zero_shot, e.batch_size)
+            return evaluate_student(self.student, self.held_out, self.zero_shot, e.ks, e.templates, e.batch_size,
+                                    self.encoders)
 
     def batch(self, size: int) -> list[int]:
         return torch.randperm(len(self.train), generator=self.batches)[:size].tolist()
 
 
 def _optimizer(student: TwoTower, lr: float) -> torch.optim.Optimizer:
-    return adamw([p for p in student.parameters() if p.requires_grad], lr, weight_decay=0.0)
+    """AdamW over the trainable parameters; under fsdp2 the sharded ones in a group of their own (a foreach step
+    takes whole tensors or sharded ones, not both)."""
+    trainable = [p for p in student.parameters() if p.requires_grad]
+    sharded = [p for p in trainable if hasattr(p, "to_local")]
+    whole = [p for p in trainable if not hasattr(p, "to_local")]
+    return adamw([{"params": group} for group in (whole, sharded) if group], lr, weight_decay=0.0)
 
 
 def prepare(cfg: ReclipConfig, progress: Progress) -> Job:
@@ -133,6 +140,7 @@ def prepare(cfg: ReclipConfig, progress: Progress) -> Job:
     negatives = [n.caption for it in train for n in it.negatives]
     student = build_student(cfg, [it.caption for it in train + held_out] + negatives)
     par.broadcast_parameters(student)  # every rank starts from rank 0's weights, as DDP does
+    par.shard(student)  # fsdp2: the trainable blocks sharded over the ranks
     store = InputStore(student, [it.image for it in train])
     progress.message("caching the frozen tower inputs of the training data")
     store.warm([it.caption for it in train] + (negatives if cfg.rl.text_negatives else []))
@@ -227,7 +235,7 @@ def rl_phase(job: Job, progress: Progress, method: str | None = None, phase: str
             progress.advance(loss=f"{metrics['loss']:.3f}")
             if job.cfg.trainer.eval_every and step % job.cfg.trainer.eval_every == 0 and step != rl.steps:
                 job.logger.log(job.evaluate(), step, "eval")
-            if every and step % every == 0 and step != rl.steps and ctx.par.rank == 0:
+            if every and step % every == 0 and step != rl.steps:  # every rank calls; rank 0 writes
                 checkpoint.save(ctx, job.batches, step, job.run_dir, job.summary.get("start", {}))
     progress.end()
     result = job.evaluate()
@@ -243,22 +251,31 @@ def train_reclip(cfg: ReclipConfig, progress: Progress | None = None) -> dict:
     validate(cfg)  # a config built or changed in code is checked as a recipe is
     resume = checkpoint.load(cfg.trainer.resume) if cfg.trainer.resume else None  # a bad path stops here
     job = prepare(cfg, progress)
-    main = job.ctx.par.rank == 0  # rank 0 saves; every rank holds the same weights
     if resume is None:
         job.summary["start"] = warm_start(job, progress)
-        if cfg.trainer.save_students and main:
-            job.summary["student_start"] = str(job.student.save_pretrained(job.run_dir / "student-start"))
+        if cfg.trainer.save_students:
+            job.summary["student_start"] = _save_student(job, "student-start")
     else:  # the warm-start is in the checkpoint's weights; its held-out metrics come with them
         job.summary.update(start=resume["start"], resumed_from=str(cfg.trainer.resume))
     job.summary["final"] = rl_phase(job, progress, resume=resume)
-    if cfg.trainer.save_students and main:
-        job.summary["student"] = str(job.student.save_pretrained(job.run_dir / "student"))
+    if cfg.trainer.save_students:
+        job.summary["student"] = _save_student(job, "student")
     job.summary["wall_seconds"] = time.perf_counter() - t0
     job.summary["rank"] = job.ctx.par.rank
-    job.logger.log({"wall_seconds": job.summary["wall_seconds"]}, cfg.rl.steps, "summary")
+    sharded = sum(p.numel() for p in job.student.parameters() if hasattr(p, "to_local"))  # fsdp2's share
+    job.logger.log({"wall_seconds": job.summary["wall_seconds"], "sharded_parameters": sharded}, cfg.rl.steps,
+                   "summary")
     job.logger.close()
     job.ctx.par.finish()
     return job.summary
+
+
+def _save_student(job: Job, name: str) -> str | None:
+    """Rank 0 saves the student to RUN_DIR/`name` (every rank calls: fsdp2 gathers the sharded blocks first)."""
+    weights = job.ctx.par.full_state_dict(job.student)
+    if job.ctx.par.rank == 0:
+        return str(job.student.save_pretrained(job.run_dir / name, weights))
+    return None
 
 
 def _clamp_scale(student: TwoTower) -> None:

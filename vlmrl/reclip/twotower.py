@@ -51,5 +51,11 @@ class TwoTower(nn.Module):
                   for i in range(0, len(texts), batch_size)]
         return torch.cat(chunks)
 
-    def save_pretrained(self, path: str | Path) -> Path:
+    def shard_units(self) -> list[nn.Module]:
+        """The trainable blocks FSDP2 shards (`trainer.distributed=fsdp2`), each called through its own forward;
+        every other parameter stays whole on each rank (vlmrl.reclip.parallel)."""
+        return []
+
+    def save_pretrained(self, path: str | Path, state_dict: dict | None = None) -> Path:
+        """A loadable folder; `state_dict` (the student's own names) instead of the module's weights."""
         raise NotImplementedError
