@@ -27,8 +27,9 @@ from vlmrl.models import load_policy
 from vlmrl.models.forward import sequence_logprobs
 from vlmrl.rollout.batch import make_prompts
 from vlmrl.rollout.generate import generate
-from vlmrl.serve.batcher import Decoder, Job, held_back
+from vlmrl.serve.batcher import Job
 from vlmrl.serve.chat import chat_app, load_chat_model
+from vlmrl.serve.decoder import Decoder, held_back
 from vlmrl.serve.guard import RequestError, ServeLimits
 from vlmrl.serve.messages import ChatRequest, build_prompt
 from vlmrl.trainer.checkpoint import save_checkpoint

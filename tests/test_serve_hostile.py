@@ -22,8 +22,9 @@ from vlmrl.config import load_config
 from vlmrl.data import make_task
 from vlmrl.models import load_policy
 from vlmrl.models.families.processor import _token_row_bytes
-from vlmrl.serve.batcher import Decoder, Job, common_prefix, prompt_bytes, stable_window
+from vlmrl.serve.batcher import Job, prompt_bytes
 from vlmrl.serve.chat import _complete, chat_app, load_chat_model
+from vlmrl.serve.decoder import Decoder, common_prefix, stable_window
 from vlmrl.serve.guard import RequestError, ServeLimits
 from vlmrl.serve.messages import ChatRequest, build_prompt
 from vlmrl.trainer.checkpoint import save_checkpoint

@@ -2,7 +2,7 @@
 
 - `POST /v1/chat/completions`: text and `image_url` parts (data URLs), n, temperature (0 = greedy), top_p,
   max_tokens, stop, seed, stream (server-sent events in OpenAI's chunk format, ending `data: [DONE]`), usage counts,
-  logprobs and top_logprobs (the model's own distribution: vlmrl.serve.batcher.Decoder); vLLM's prompt_logprobs,
+  logprobs and top_logprobs (the model's own distribution: vlmrl.serve.decoder.Decoder); vLLM's prompt_logprobs,
   add_generation_prompt and continue_final_message, to score a conversation's last answer (vlmrl.serve.scoring);
 - `GET /v1/models`, `GET /v1/models/{id}`, `GET /healthz`, and FastAPI's schema at `/openapi.json` and `/docs`.
 

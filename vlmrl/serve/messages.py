@@ -78,7 +78,7 @@ class ChatRequest(_Strict):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool = False  # each answer token's log-prob (vlmrl.serve.batcher.Decoder)
+    logprobs: bool = False  # each answer token's log-prob (vlmrl.serve.decoder.Decoder)
     top_logprobs: int | None = Field(None, ge=0, le=20)  # and that many most likely alternatives at each token
     return_tokens_as_token_ids: bool = False  # vLLM's option: an entry's token is "token_id:ID", not its text
     # vLLM's options for scoring a conversation: the log-prob of every prompt token (with that many alternatives),
