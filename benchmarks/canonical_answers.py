@@ -28,6 +28,9 @@ def canonical_share(run: str, prompts: int, answers: int, seed: int) -> tuple[in
     policy = load_policy(checkpoint)
     tokenizer, eos = policy.processor.tokenizer, set(policy.eos_token_ids)
     task = cfg.data.train.get("task") if isinstance(cfg.data.train, dict) else getattr(cfg.data.train, "task", None)
+    if not task:
+        raise SystemExit(f"{run}: its recipe trains on {cfg.data.train!r}, not a built-in task; this script draws "
+                         "held-out prompts of built-in tasks only")
     samples = make_task(task, prompts, "test", seed=seed)
     rollout = generate(policy, make_prompts(policy, samples, cfg.data.prompt_template), answers,
                        cfg.rollout.max_new_tokens, 1.0, generator=torch.Generator().manual_seed(seed))

@@ -119,6 +119,7 @@ def smoke_start(tmp_path_factory) -> Path:
 
 SMALLEST = {  # script: (its smallest arguments, what its output must show); START: the smoke start, OUT: a folder
     "decode_attention.py": (["--threads", "1", "--repeats", "3"], "|"),
+    "canonical_answers.py": (["START", "--prompts", "2", "--answers", "2"], "a served teacher scores them"),
     "decode_sharing.py": (["START", "--prompts", "2", "--group", "2", "--max-new-tokens", "4", "--repeats", "1"],
                           "same tokens: True"),
     "generate_cache.py": (["--checkpoint", "START", "--prompts", "2", "--group", "2", "--repeats", "1"], "|"),
