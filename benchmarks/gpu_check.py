@@ -31,6 +31,8 @@ same training settings as the full check below), then the LoRA base-drift check 
     agent check          120 s  process start and imports 15 s, loading 3B 15 s, starting vLLM (eager) 40 s, the
                                 two arms' rollouts and scoring 30 s, the image case 10 s, margin 10 s: 440 s
     each vLLM case       150 s  runs only if the budget still covers it (after the agent check it does not)
+    ReCLIP check          60 s  last, where the budget still covers it (without vLLM: 380 s of 450 s; after the
+                                agent check it does not): three tiny `vlmrl reclip train` runs of ~15 s
 
 --budget (default 450 s with --quick on a GPU) enforces the plan: a job starts only while the time left
 covers its plan, a case's timeout is the time left, and a job that does not fit is reported skipped with the reason.
@@ -81,6 +83,9 @@ What it does
    that answer's log-probs and vLLM's gap to the new weights. ok: every turn's gap mean <= `--max-gap-mean` on
    both arms, a third turn reached, the push moved the log-probs by >= 0.1 and vLLM's gap after it <= 0.1 (a stale
    encoder cache would show a gap about as large as the move).
+5. ReCLIP check (benchmarks/gpu_check_reclip.py, its own process): `vlmrl reclip train` of a random-init CLIP in
+   fp32 on the device against the same run on the CPU (every loss within 2e-3 relative), under bf16 autocast (finite,
+   first loss within 5% of fp32's), and with two GPUs torchrun x2 ddp and fsdp2 against one GPU.
 
 Figures, per case (table columns; JSON keys in brackets)
 ---------------------------------------------------------
@@ -120,7 +125,9 @@ reason, error, problems, the figures above}], "drift": {status, reason, error, p
 tensors_per_push, tensors_pushed, lora_layers, pushed_changed, max_abs_drift, drift_after_first_push,
 seconds}, "agent": {status, reason, error, problems, vllm and hf: {per_turn: [{turn, tokens, gap_mean, gap_max}],
 reached_turn, images_per_trajectory, seconds}, image_push: {tokens, move_mean, gap_after_push_mean,
-gap_after_push_max, gap_to_old_weights_mean, gap_before_push_mean}, log, wall_s}}.
+gap_after_push_max, gap_to_old_weights_mean, gap_before_push_mean}, log, wall_s}, "reclip": {status, reason,
+error, problems, device, gpus, torchrun, arms: {cpu_fp32, fp32, bf16, ddp, fsdp2: {exit_code, wall_s, losses,
+t2i_R@1, max_rel_loss_vs_...}}, log, wall_s}}.
 
 `--device cpu --tiny` runs the same code with toy sizes (text width 64, 2 decoder layers, 1 vision block, the real
 tokenizer and vocabulary), float32 training, 2 steps of 2 prompts x 2 answers x 8 new tokens, the HF engine only
@@ -197,7 +204,8 @@ SETTINGS = {
 # --quick: planned seconds on one 80 GB H100/H200 (module docstring, "The quick check"); a job starts only while
 # the time left in --budget covers its plan, and a case's timeout is the time left
 QUICK_BUDGET_S = 450
-QUICK_PLAN_S = {"startup": 15, "build": 45, "full": 130, "lora": 90, "drift": 40, "agent": 120, "vllm": 150}
+QUICK_PLAN_S = {"startup": 15, "build": 45, "full": 130, "lora": 90, "drift": 40, "agent": 120, "vllm": 150,
+                "reclip": 60}
 QUICK_PUSHES = 20
 
 
@@ -608,6 +616,7 @@ def run_case(case: dict, s: dict, args, model_info: dict, work: Path, gpu_gb: fl
 # the LoRA base-drift check: benchmarks/gpu_check_drift.py (the script's folder is on sys.path, see above)
 from gpu_check_agent import agent_lines, run_agent_check, skip_reason  # noqa: E402
 from gpu_check_drift import LORA_R, run_drift  # noqa: E402
+from gpu_check_reclip import reclip_lines, run_reclip_check  # noqa: E402
 
 
 # -- report -------------------------------------------------------------------------------------------------------
@@ -641,6 +650,7 @@ def table(report: dict) -> str:
                          f"{d.get('pushed_changed', 0)} differ from their base weight)"
                          + (f"; {d['error']}" if d.get("error") else ""))
     lines += agent_lines(report.get("agent"))
+    lines += reclip_lines(report.get("reclip"))
     lines.append("")
     if report.get("stopped"):
         verdict = f"STOPPED ({report['stopped']}); finished cases above" + \
@@ -660,6 +670,8 @@ def finish(report: dict, start: float) -> dict:
         failed.append("lora-drift")
     if report.get("agent") and report["agent"]["status"] == "failed":
         failed.append("agent-vllm")
+    if report.get("reclip") and report["reclip"]["status"] == "failed":
+        failed.append("reclip")
     report.update(ok=not failed and not report.get("stopped"), failed=failed,
                   wall_s=round(time.perf_counter() - start, 1))
     return report
@@ -780,7 +792,7 @@ def main(argv: list[str] | None = None) -> int:
                            "budget_s": args.budget, "set": list(args.set), "work": str(work),
                            "runs_dir": args.runs_dir},
               "stopped": None, "models": {}, "cases": plan_cases(args, env), "drift": None,
-              "agent": None}
+              "agent": None, "reclip": None}
     gpu_gb = env["gpus"][0]["memory_gb"] if env["gpus"] else None
     print(f"gpu_check{' --quick' if args.quick else ''}: {args.device}{' --tiny' if args.tiny else ''}, models "
           f"{' '.join(args.models)}, {sum(c['status'] != 'skipped' for c in report['cases'])} of "
@@ -837,6 +849,18 @@ def main(argv: list[str] | None = None) -> int:
             print(f" {report['agent']['status']}", flush=True)
         write_report(report, start, out_path)
 
+    def reclip():
+        reason = budget_skip(args, start, "reclip")
+        if reason:
+            report["reclip"] = {"status": "skipped", "reason": reason, "error": None, "problems": []}
+        else:
+            print("  ReCLIP check (fp32 and bf16 against the CPU; torchrun ddp/fsdp2 on two GPUs) ...", end="",
+                  flush=True)
+            write_report(report, start, out_path, running="ReCLIP check")
+            report["reclip"] = run_reclip_check(args, work, time_left(args, start), run_process, child_env())
+            print(f" {report['reclip']['status']}", flush=True)
+        write_report(report, start, out_path)
+
     try:
         for model in args.models:
             t0 = time.perf_counter()
@@ -862,6 +886,7 @@ def main(argv: list[str] | None = None) -> int:
                 agent(info)
             for case in cases[first_vllm:]:
                 run_one(case, info)
+        reclip()
     except KeyboardInterrupt:
         report["stopped"] = f"interrupted after {time.perf_counter() - start:.0f} s"
         for case in report["cases"]:
@@ -872,6 +897,8 @@ def main(argv: list[str] | None = None) -> int:
         if report["agent"] is None and report.get("running") == "agent check":
             report["agent"] = {"status": "skipped", "model": args.models[0], "reason": "stopped while it ran",
                                "error": None, "problems": []}
+        if report["reclip"] is None and report.get("running") == "ReCLIP check":
+            report["reclip"] = {"status": "skipped", "reason": "stopped while it ran", "error": None, "problems": []}
         if report["drift"] is None and report.get("running") == "LoRA base drift":
             report["drift"] = {"status": "skipped", "model": args.models[0], "reason": "stopped while it ran",
                                "error": None, "problems": []}

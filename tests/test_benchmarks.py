@@ -22,6 +22,7 @@ from smoke import SMOKE  # noqa: E402
 HELPERS = {"load_driver.py", "smoke.py", "gpu_check_drift.py"}
 # benchmarks with tests of their own elsewhere
 TESTED_ELSEWHERE = {"gpu_check.py": "tests/test_gpu_check.py", "gpu_check_agent.py": "tests/test_gpu_check.py",
+                    "gpu_check_reclip.py": "tests/test_gpu_check.py",
                     "reclip_grm.py": "tests/test_reclip_grm.py"}
 
 

@@ -102,8 +102,12 @@ def test_quick_cpu_tiny_passes_and_writes_json_and_table(tmp_path):
     assert report["drift"]["status"] == "ok" and report["drift"]["max_abs_drift"] == 0.0
     assert report["drift"]["tensors_pushed"] == 5 * report["drift"]["tensors_per_push"] > 0
     assert report["agent"]["status"] == "skipped" and "CUDA" in report["agent"]["reason"]  # vLLM's agent check
+    reclip = report["reclip"]  # fp32 and bf16 `vlmrl reclip train` (the CPU run is the reference on a GPU)
+    assert reclip["status"] == "ok" and set(reclip["arms"]) == {"cpu_fp32", "bf16"}, reclip
+    assert all(len(a["losses"]) == 10 and a["exit_code"] == 0 for a in reclip["arms"].values())
     text = out.with_suffix(".txt").read_text()
     assert "3b/full/hf/1proc" in text and "3b/lora/hf/1proc" in text and "LoRA base drift" in text
+    assert "ReCLIP check (cpu): ok" in text
     assert text.strip().splitlines()[-1].startswith("OK")
 
 
@@ -116,6 +120,8 @@ def _stub_main(monkeypatch, tmp_path, run_case):
     monkeypatch.setattr(gpu_check, "run_drift", lambda args, info, v: {"status": "ok", "model": info["name"],
                                                                        "engine": "stub", "max_abs_drift": 0.0})
     monkeypatch.setattr(gpu_check, "environment", lambda device: {"gpus": [], "vllm": None, "vllm_error": "no vllm"})
+    monkeypatch.setattr(gpu_check, "run_reclip_check", lambda *a: {"status": "ok", "error": None, "problems": [],
+                                                                   "arms": {}})
     out = tmp_path / "r.json"
     return out, ["--device", "cpu", "--tiny", "--quick", "--work", str(tmp_path), "--out", str(out)]
 
@@ -169,6 +175,8 @@ def test_quick_budget_skips_what_does_not_fit(monkeypatch, tmp_path):
     assert report["drift"]["status"] == "skipped" and "time budget" in report["drift"]["reason"]
     # planned GPU time of the quick check (module docstring): under 8 minutes with vLLM absent
     assert plan["startup"] + plan["build"] + plan["full"] + plan["lora"] + plan["drift"] <= gpu_check.QUICK_BUDGET_S
+    # the ReCLIP check comes last, and fits the budget without vLLM
+    assert sum(plan[k] for k in ("startup", "build", "full", "lora", "drift", "reclip")) <= gpu_check.QUICK_BUDGET_S
     # with vLLM the agent check comes next and still fits the same budget
     assert sum(plan[k] for k in ("startup", "build", "full", "lora", "drift", "agent")) <= gpu_check.QUICK_BUDGET_S
     assert gpu_check.QUICK_BUDGET_S < 8 * 60
