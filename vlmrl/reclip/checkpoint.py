@@ -64,15 +64,15 @@ def load(path: str | Path) -> dict[str, Any]:
 
 def restore(ctx: StepContext, batches: torch.Generator, state: dict[str, Any]) -> int:
     """Put a checkpoint's state back (the optimizer must exist, built for the RL phase); returns its step."""
-    if ctx.par.sharded or state.get("by_name"):  # whole tensors into shards, moments by parameter name
+    if ctx.par.sharded and not state.get("by_name"):
+        raise ConfigError("trainer.resume: this checkpoint was written by a run without fsdp2 (its optimizer state "
+                          "is by position, not by parameter name); resume it with the trainer.distributed it was "
+                          "written with")
+    if state.get("by_name"):  # whole tensors (into shards under fsdp2), moments by parameter name
         from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
         set_model_state_dict(ctx.student, state["student"], options=_full_options())
-        moments = state["optimizer"]
-        if not state.get("by_name"):
-            raise ConfigError("trainer.resume: this checkpoint was written by a run without fsdp2; resume it with "
-                              "the trainer.distributed it was written with")
-        set_optimizer_state_dict(ctx.student, ctx.optimizer, moments, options=_full_options())
+        set_optimizer_state_dict(ctx.student, ctx.optimizer, state["optimizer"], options=_full_options())
     else:
         ctx.student.load_state_dict(state["student"])
         ctx.optimizer.load_state_dict(state["optimizer"])

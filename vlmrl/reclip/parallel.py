@@ -11,12 +11,13 @@ between two candidates that tie within rounding may go the other way; sampled pi
 held-out evaluation, logs and saved students are rank 0's.
 
 `trainer.distributed=fsdp2` is the same with the student's trainable blocks (`TwoTower.shard_units`: MBConv blocks
-and BERT layers, a CLIP's or SigLIP's transformer layers) sharded by FSDP2's `fully_shard`: each rank holds a
-1/world slice of their weights, gradients and Adam moments, the blocks' weights are gathered for each forward, and
-their gradients reduce-scattered (FSDP2's mean, times the number of ranks: each rank's loss is already its share of
-the global batch's, so the gradient is the sum). The rest (heads, scale, frozen prefix) stays whole on every rank and is summed as under ddp. The gradient
-norm is the whole gradient's (sharded squares summed over the ranks), so clipping and the step equal ddp's. Held-out
-evaluation, saved students and checkpoints gather the blocks whole first (every rank takes part).
+and BERT layers, a CLIP's or SigLIP's transformer layers) sharded by FSDP2's `fully_shard`: each rank holds a 1/world
+slice of their weights, gradients and Adam moments, the blocks' weights are gathered for each forward, and their
+gradients reduce-scattered (FSDP2's mean, times the number of ranks: each rank's loss is already its share of the
+global batch's, so the gradient is the sum). The rest (heads, scale, frozen prefix) stays whole on every rank and is
+summed as under ddp. The gradient norm is the whole gradient's (sharded squares summed over the ranks), so clipping
+and the step equal ddp's. Held-out evaluation, saved students and checkpoints gather the blocks whole first (every
+rank takes part).
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ class Parallel:
 
             raise ConfigError(f"trainer.distributed=fsdp2: the {student.kind} student has no trainable blocks to shard "
                               "(its towers are frozen); use trainer.distributed=ddp")
+        mesh = self._mesh()
         for unit in units:
-            fully_shard(unit, mesh=self._mesh())
+            fully_shard(unit, mesh=mesh)
 
     def full_state_dict(self, module: torch.nn.Module) -> dict | None:
         """fsdp2: `module`'s weights whole, on CPU (every rank must call); otherwise None (its own will do)."""
