@@ -41,7 +41,10 @@ QUICKSTART = Path(__file__).resolve().parent / "recipes" / "quickstart.yaml"  # 
 
 @section
 class TinyModelConfig:
-    hidden_size: PositiveInt = 96  # text width of the embedded Qwen2-VL
+    # Qwen2-VL's vision tokens carry no absolute position (2-D rotary only), so it does not learn where things are;
+    # Qwen3-VL's vision tower adds learned position embeddings and does (docs/concepts.md, "Box answers")
+    family: Literal["auto", "qwen2_vl", "qwen3_vl"] = "auto"  # the embedded architecture; auto: qwen3_vl for box data
+    hidden_size: PositiveInt = 96  # text width of the embedded model
     num_layers: PositiveInt = 3
     num_heads: PositiveInt = 4
     num_kv_heads: PositiveInt = 2

@@ -9,7 +9,7 @@ _EXPORTS = {
     "PromptBatch": "vlmrl.models.batch", "PromptEmbeds": "vlmrl.models.batch",
     "PromptTooLongError": "vlmrl.models.batch", "concat_prompt_batches": "vlmrl.models.batch",
     "FAMILIES": "vlmrl.models.families", "Policy": "vlmrl.models.policy", "load_policy": "vlmrl.models.policy",
-    "TinyModelConfig": "vlmrl.models.tiny", "build_tiny_vlm": "vlmrl.models.tiny",
+    "TinyModelConfig": "vlmrl.models.tiny", "build_tiny_vlm": "vlmrl.models.tiny", "embedded_family": "vlmrl.models.tiny",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -24,7 +24,7 @@ from vlmrl.errors import VlmrlError
 from vlmrl.eval.generative import Solved, evaluate
 from vlmrl.eval.regressions import fallen_tasks, fallen_warning, task_accuracies
 from vlmrl.eval.samples import EVAL_SAMPLES, write_samples
-from vlmrl.models import build_tiny_vlm, load_policy
+from vlmrl.models import build_tiny_vlm, embedded_family, load_policy
 from vlmrl.models.policy import Policy
 from vlmrl.models.preflight import check_device, resolve_model
 from vlmrl.models.trainable import configure_training, start_lora
@@ -110,7 +110,12 @@ def build_policy(cfg: Config, run_dir: Path, dist_info=None, data: Datasets | No
             texts = vocabulary_texts(cfg.data.seed)
             texts += user_texts(cfg, data.train, data.sft, data.eval) if data is not None else []
             tools = data is not None and uses_tools(cfg, data.train, data.sft, data.eval)
-            build_tiny_vlm(name, texts, m.tiny, seed=cfg.trainer.seed, extra_tokens=TOOL_TOKENS if tools else ())
+            family = embedded_family(m.tiny, *((data.train, data.sft, data.eval) if data is not None else ()))
+            if m.tiny.family == "auto" and family != "qwen2_vl":
+                print(f"the embedded model: {family} (model.tiny.family auto: the data holds box answers, and the "
+                      "embedded Qwen2-VL does not learn where things are; docs/concepts.md)", flush=True)
+            build_tiny_vlm(name, texts, m.tiny, seed=cfg.trainer.seed, extra_tokens=TOOL_TOKENS if tools else (),
+                           family=family)
         if dist_info is not None:
             barrier(dist_info)
     device = m.device if dist_info is None else dist_info.device  # cuda:LOCAL_RANK under torchrun
