@@ -11,7 +11,6 @@ from PIL import Image
 from transformers import AutoImageProcessor
 
 from tests.conftest import TEST_MODEL
-
 from vlmrl.config import Config
 from vlmrl.data import vocabulary_texts
 from vlmrl.models import build_tiny_vlm, embedded_family, load_policy
