@@ -258,6 +258,21 @@ def test_training_samples_on_the_real_engine(start, tmp_path, mode):
         assert rows[0]["rollout/logprob_gap_max"] < GAP and rows[-1]["rollout/logprob_gap_max"] > GAP
 
 
+def test_box_data_trains_the_embedded_qwen3_vl_on_the_real_engine(tmp_path):
+    """Data with box answers builds the embedded Qwen3-VL (`model.tiny.family: auto`): vLLM must run that architecture
+    (16-px patches, learned vision position embeddings, deepstack features, interleaved M-RoPE) as the training
+    forward does, to rounding."""
+    run = tmp_path / "run"
+    boxes = ["data.train={task: shapes_box, n: 32}", "data.sft={task: shapes_box, n: 64}",
+             "data.eval={task: shapes_box, n: 8}", "rollout.max_new_tokens=23", "eval.max_new_tokens=20"]
+    vlmrl_train([*HEADS_32, *QUIET, *boxes, "sft.steps=30", "rollout.prompts_per_step=4", "rollout.group_size=4",
+                 "trainer.steps=2", "rollout.engine=vllm", "rollout.vllm.enforce_eager=true",
+                 f"trainer.output_dir={run}"], tmp_path / "train.log")
+    assert json.loads((run / "base_model" / "config.json").read_text())["model_type"] == "qwen3_vl"
+    rows = _metrics(run)
+    assert len(rows) == 2 and all(r["rollout/logprob_gap_max"] < GAP for r in rows), rows
+
+
 def test_two_processes_each_sample_on_their_own_engine(start, tmp_path):
     """torchrun x2 (DDP over gloo), an engine in each process (vLLM's external launcher over torchrun's world, as on
     a GPU node): each samples its share of the prompts, and both match their training forward."""
