@@ -30,6 +30,8 @@ import time
 import traceback
 from pathlib import Path
 
+from gpu_check_child import run_child  # benchmarks/ is on the path: these run as scripts
+
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -218,28 +220,12 @@ def skip_reason(args, vllm_error: str | None) -> str | None:
 def run_agent_check(args, model_info: dict, work: Path, left: float | None, run_process, env: dict) -> dict:
     """gpu_check.py's job: this file as its own process (`run_process(cmd, log, timeout, env)`, gpu_check's), its
     JSON read back into the report's `agent` entry."""
-    import subprocess
 
     out = {"status": "pending", "model": model_info["name"], "reason": None, "error": None, "problems": []}
     result_path, log = work / "agent_check.json", work / "logs" / "agent_check.log"
-    result_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--model", model_info["folder"], "--out", str(result_path),
            "--device", "cuda:0", "--max-gap-mean", str(args.max_gap_mean)]
-    timeout = min(900.0, left or 900.0)
-    try:
-        rc, seconds = run_process(cmd, log, timeout, env)
-    except subprocess.SubprocessError as e:  # pragma: no cover - recorded like a failed case
-        return {**out, "status": "failed", "error": str(e), "problems": [str(e)]}
-    out.update(command=cmd, log=str(log), wall_s=round(seconds, 1), exit_code=rc)
-    if result_path.exists():
-        out.update(json.loads(result_path.read_text()))
-    elif rc is None:
-        out["problems"].append(f"timed out after {timeout:.0f} s")
-    else:
-        out["problems"].append(f"exit code {rc}, no result (see {log})")
-    out["status"] = "failed" if out["problems"] else "ok"
-    out["error"] = out["problems"][0] if out["problems"] else None
-    return out
+    return run_child(cmd, out, result_path, log, left, run_process, env)
 
 
 def agent_lines(a: dict | None) -> list[str]:

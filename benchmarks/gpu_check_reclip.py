@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from gpu_check_child import run_child  # benchmarks/ is on the path: these run as scripts
+
 ROOT = Path(__file__).resolve().parents[1]
 TOWER = "{hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 2}"
 VISION = "{hidden_size: 64, intermediate_size: 128, num_hidden_layers: 2, num_attention_heads: 2, patch_size: 16}"
@@ -123,24 +125,9 @@ def run_reclip_check(args, work: Path, left: float | None, run_process, env: dic
     JSON read back into the report's `reclip` entry."""
     out = {"status": "pending", "reason": None, "error": None, "problems": []}
     result_path, log = work / "reclip_check.json", work / "logs" / "reclip_check.log"
-    result_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--device", args.device, "--out", str(result_path),
            "--work", str(work / "reclip_check")]
-    timeout = min(900.0, left or 900.0)
-    try:
-        rc, seconds = run_process(cmd, log, timeout, env)
-    except subprocess.SubprocessError as e:  # pragma: no cover - recorded like a failed case
-        return {**out, "status": "failed", "error": str(e), "problems": [str(e)]}
-    out.update(command=cmd, log=str(log), wall_s=round(seconds, 1), exit_code=rc)
-    if result_path.exists():
-        out.update(json.loads(result_path.read_text()))
-    elif rc is None:
-        out["problems"].append(f"timed out after {timeout:.0f} s")
-    else:
-        out["problems"].append(f"exit code {rc}, no result (see {log})")
-    out["status"] = "failed" if out["problems"] else "ok"
-    out["error"] = out["problems"][0] if out["problems"] else None
-    return out
+    return run_child(cmd, out, result_path, log, left, run_process, env)
 
 
 def reclip_lines(r: dict | None) -> list[str]:
