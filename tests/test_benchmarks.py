@@ -19,7 +19,7 @@ sys.path.insert(0, str(BENCH))
 from smoke import SMOKE  # noqa: E402
 
 # benchmarks/ files that are not benchmarks: shared code, tested through the scripts that use it
-HELPERS = {"load_driver.py", "smoke.py", "gpu_check_drift.py"}
+HELPERS = {"load_driver.py", "smoke.py", "gpu_check_drift.py", "gpu_check_child.py"}
 # benchmarks with tests of their own elsewhere
 TESTED_ELSEWHERE = {"gpu_check.py": "tests/test_gpu_check.py", "gpu_check_agent.py": "tests/test_gpu_check.py",
                     "gpu_check_reclip.py": "tests/test_gpu_check.py",
@@ -162,6 +162,8 @@ SLOW = {  # the sweeps and servers, 10-35 s each on a 2-core CPU: run with -m sl
     "prm_digits.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/prm.json"], "| best-of-2 by the PRM"),
     "rm_overoptimisation.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/rmo.json"], "kl_budget: 4 RL steps"),
     "rm_distill.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/rmd.json"], "| many, the teacher's preference |"),
+    "box_families.py": (["--rows", "16", "--test", "4", "--steps", "2", "--out", "OUT/runs", "--results", "OUT/bf.json"],
+                        "| qwen3_vl |"),
 }
 OWN_TESTS = {"serve_hostile_load.py", "trl_side_by_side.py", "trl_grpo_worker.py", "agent_step_cost.py",
              "agent_env_overlap.py", "vllm_side_by_side.py"}  # the last: tests/test_vllm_real.py (the vLLM env)
