@@ -110,6 +110,31 @@ def tiny_qwen2vl_config(tokenizer, cfg: TinyModelConfig):
     )
 
 
+def tiny_qwen3vl_config(tokenizer, cfg: TinyModelConfig):
+    """A `Qwen3VLConfig` of the given size whose special-token ids match `tokenizer`: 16-px patches, learned vision
+    position embeddings (an 8 x 8 table, interpolated to each image's grid), deepstack features from the first vision
+    block, interleaved M-RoPE."""
+    from transformers import Qwen3VLConfig
+
+    head_dim = cfg.hidden_size // cfg.num_heads
+    half = head_dim // 2
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
+    text = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+                num_key_value_heads=cfg.num_kv_heads, head_dim=head_dim, max_position_embeddings=1024,
+                initializer_range=cfg.initializer_range, pad_token_id=tokenizer.pad_token_id,
+                eos_token_id=tokenizer.eos_token_id,
+                bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
+                                 "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]})
+    vision = dict(depth=cfg.vision_depth, hidden_size=cfg.vision_dim, intermediate_size=2 * cfg.vision_dim,
+                  num_heads=cfg.vision_heads, out_hidden_size=cfg.hidden_size, patch_size=16,
+                  num_position_embeddings=64, deepstack_visual_indexes=[0], initializer_range=cfg.initializer_range)
+    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True,
+                         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+
+
 def embedded_family(cfg: TinyModelConfig, *splits: Iterable[dict]) -> str:
     """The architecture `family: auto` picks: Qwen3-VL where the data holds box answers, else Qwen2-VL.
 
@@ -138,15 +163,12 @@ def build_tiny_vlm(out_dir: str | Path, texts: Iterable[str], cfg: TinyModelConf
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(texts, cfg.vocab_size, extra_tokens=extra_tokens)
-    if family == "qwen3_vl":
-        from vlmrl.models.tiny_families import tiny_family_parts  # imports this module
-
-        config, image_processor = tiny_family_parts("qwen3_vl", tokenizer, cfg)
-    elif family == "qwen2_vl":
-        image_processor = Qwen2VLImageProcessorPil(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
-        config = tiny_qwen2vl_config(tokenizer, cfg)
-    else:
+    if family not in ("qwen2_vl", "qwen3_vl"):
         raise ValueError(f"embedded family {family!r}: qwen2_vl or qwen3_vl")
+    qwen3 = family == "qwen3_vl"
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels,
+                                               **({"patch_size": 16} if qwen3 else {}))
+    config = (tiny_qwen3vl_config if qwen3 else tiny_qwen2vl_config)(tokenizer, cfg)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config)

@@ -18,7 +18,7 @@ from vlmrl.config import TinyModelConfig
 from vlmrl.models.families.gemma3 import CHAT_TEMPLATE as GEMMA3_TEMPLATE
 from vlmrl.models.families.idefics3 import CHAT_TEMPLATE as IDEFICS3_TEMPLATE
 from vlmrl.models.families.llava import CHAT_TEMPLATE as LLAVA_TEMPLATE
-from vlmrl.models.tiny import SPECIAL_TOKENS, tiny_qwen2vl_config, train_tokenizer
+from vlmrl.models.tiny import SPECIAL_TOKENS, tiny_qwen2vl_config, tiny_qwen3vl_config, train_tokenizer
 
 TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "llava", "llava_next", "gemma3")
 IDEFICS3_TOKENS = (["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>",
@@ -83,15 +83,7 @@ def tiny_family_parts(family: str, tok, cfg: TinyModelConfig):
             tie_word_embeddings=True, **qwen_ids)
         return config, tf.Qwen2VLImageProcessorPil(**pixels)
     if family == "qwen3_vl":
-        config = tf.Qwen3VLConfig(
-            text_config=_text(tok, cfg, head_dim=cfg.hidden_size // cfg.num_heads,
-                              rope_parameters=_mrope(cfg, mrope_interleaved=True)),
-            vision_config=dict(depth=cfg.vision_depth, hidden_size=cfg.vision_dim, intermediate_size=2 * cfg.vision_dim,
-                               num_heads=cfg.vision_heads, out_hidden_size=cfg.hidden_size, patch_size=16,
-                               num_position_embeddings=64, deepstack_visual_indexes=[0],
-                               initializer_range=cfg.initializer_range),
-            tie_word_embeddings=True, **qwen_ids)
-        return config, tf.Qwen2VLImageProcessorPil(patch_size=16, **pixels)
+        return tiny_qwen3vl_config(tok, cfg), tf.Qwen2VLImageProcessorPil(patch_size=16, **pixels)
     if family in ("idefics3", "smolvlm"):
         cls = tf.Idefics3Config if family == "idefics3" else tf.SmolVLMConfig
         config = cls(vision_config=_vision(cfg, image_size=32, patch_size=8),
