@@ -9,12 +9,14 @@ import pytest
 
 from vlmrl.config import ConfigError, load_config
 from vlmrl.models import PromptTooLongError
+from vlmrl.rewards import RewardSpec
 from vlmrl.trainer.limits import check_label_lengths, check_prompt_lengths, user_texts
 from vlmrl.trainer.watch import (
     OverOptimisationWatch,
     RewardFailureWatch,
     SignalWatch,
     SparseSignalWatch,
+    task_graders,
     truncation_warning,
 )
 
@@ -121,7 +123,12 @@ def task_groups(groups: dict[str, tuple[int, int, int, int]], prompts: int = 112
 
 def test_a_run_whose_groups_mostly_lack_a_signal_names_the_task_once():
     cfg = load_config(None, ["trainer.no_signal_steps=4"])
-    watch = SparseSignalWatch(cfg)
+    specs = [RewardSpec("accuracy"), RewardSpec("length"), RewardSpec("iou", kwargs={"strict": True}),
+             RewardSpec("format", weight=0.0)]
+    samples = [{"task": "boxes", "answer_type": "box"}, {"task": "words", "answer_type": "text"}, {"problem": "?"}]
+    graders = task_graders(specs, samples)  # length is shaping, format weighs 0, iou grades boxes only
+    assert graders == {"boxes": ["accuracy", "iou"], "words": ["accuracy"], "data": ["accuracy"]}
+    watch = SparseSignalWatch(cfg, graders)
     # the stalled box run: 56 box groups, all silent, none solved; 56 word groups, 51 silent, 45 of them solved
     stalled = task_groups({"boxes": (56, 0, 0, 56), "words": (56, 5, 45, 6)})
     messages = [watch.update(step, dict(stalled)) for step in range(1, 8)]
@@ -130,7 +137,8 @@ def test_a_run_whose_groups_mostly_lack_a_signal_names_the_task_once():
     assert text.startswith("steps 1-4: 96% of the generated groups had no learning signal")
     assert "dynamic sampling generated 112 prompts per step to keep 16" in text
     assert "task 'boxes': 100% of its 224 groups (0 solved by every answer, 224 by none): no answer earns more " \
-           "than another; give it a graded reward (such as `iou` for boxes)" in text
+           "than another under the rewards that grade it (accuracy, iou); give it a graded reward where it has " \
+           "none (such as `iou` for boxes) or a better start" in text  # iou is on: the start is what is missing
     assert "task 'words': 91% of its 224 groups (180 solved by every answer, 24 by none): solved; " \
            "curriculum.filter_solved skips such prompts" in text
     assert text.index("'boxes'") < text.index("'words'")  # the most silent task first

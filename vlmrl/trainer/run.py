@@ -58,6 +58,7 @@ from vlmrl.trainer.watch import (
     SparseSignalWatch,
     TruncationWatch,
     UngradedWatch,
+    task_graders,
     truncation_warning,
 )
 
@@ -359,7 +360,7 @@ def rl_loop(job: RLJob, data: Datasets, rewards, logger, progress: Progress, fir
     cfg, t, ctx = job.cfg, job.cfg.trainer, job.ctx
     clock, watches = SaveClock(t), (TruncationWatch(cfg), RewardFailureWatch(cfg), MismatchWatch(cfg))
     if not distilling_alone(cfg):  # (distilling alone, the teacher grades every answer and no reward differs)
-        watches += (SignalWatch(cfg), SparseSignalWatch(cfg), UngradedWatch())
+        watches += (SignalWatch(cfg), SparseSignalWatch(cfg, task_graders(rewards, data.train)), UngradedWatch())
     overoptimised, kl_budget = OverOptimisationWatch(cfg), KLBudget(cfg)
     if job.start_eval:  # the start is the first evaluation the watch compares with (a fall from it counts)
         overoptimised.update(0, job.start_eval)

@@ -18,9 +18,11 @@ were scored by no weighted reward that grades answers (only `length`/`format`, o
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from vlmrl.config import Config
-from vlmrl.rewards.registry import OWN_METRICS
+from vlmrl.rewards.coverage import grading_specs
+from vlmrl.rewards.registry import OWN_METRICS, RewardSpec, answer_type_of
 
 TRUNCATION_WARNING = 0.2  # share of answers cut at max_new_tokens above which training and eval warn
 REWARD_FAILURE_WARNING = 0.1  # share of a reward's values lost to failures above which training warns
@@ -98,6 +100,15 @@ class SignalWatch:
                 f"rewards{level}, so every advantage was 0. Likely: " + "; ".join(causes))
 
 
+def task_graders(specs: Sequence[RewardSpec], samples: Sequence[dict]) -> dict[str, list[str]]:
+    """Per task of `samples`, the weighted rewards that grade its answer types (vlmrl.rewards.coverage)."""
+    kinds: dict[str, set[str]] = {}
+    for s in samples:
+        kinds.setdefault(s.get("task") or "data", set()).add(answer_type_of(s) or "text")  # "data": step_metrics' name
+    return {task: sorted({spec.key for kind in found for spec in grading_specs(specs, kind)})
+            for task, found in kinds.items()}
+
+
 class SparseSignalWatch:
     """Feed it each RL step's metrics; `update` says once when, over the last `trainer.no_signal_steps` steps, more
     than SPARSE_SIGNAL_WARNING of the generated groups had no learning signal (every answer to a prompt scored the
@@ -106,8 +117,9 @@ class SparseSignalWatch:
     thrown away and a task can stop learning unseen. The message names each task's share and what to change: a task
     no answer solves needs a graded reward or a better start, a solved one needs filtering or harder data."""
 
-    def __init__(self, cfg: Config):
-        self.cfg, self.warned = cfg, False
+    def __init__(self, cfg: Config, graders: dict[str, list[str]] | None = None):
+        """`graders`: per task, the weighted rewards that grade its answers (`task_graders`), named in the message."""
+        self.cfg, self.warned, self.graders = cfg, False, graders or {}
         self.recent: deque[dict] = deque(maxlen=max(cfg.trainer.no_signal_steps, 1))
 
     def update(self, step: int, metrics: dict) -> str | None:
@@ -140,9 +152,11 @@ class SparseSignalWatch:
             part = (f"task {task!r}: {100 * silent[task] / groups[task]:.0f}% of its {groups[task]:g} groups "
                     f"({solved:g} solved by every answer, {unsolved:g} by none)")
             if silent[task] / groups[task] > SPARSE_SIGNAL_WARNING:
-                part += (": no answer earns more than another; give it a graded reward (such as `iou` for boxes) "
-                         "or a better start (more sft.steps or labelled rows); curriculum.filter_unsolved skips "
-                         "such prompts" if unsolved >= solved else
+                graders = self.graders.get(task)
+                under = f" under the rewards that grade it ({', '.join(graders)})" if graders else ""
+                part += (f": no answer earns more than another{under}; give it a graded reward where it has none "
+                         "(such as `iou` for boxes) or a better start (more sft.steps or labelled rows); "
+                         "curriculum.filter_unsolved skips such prompts" if unsolved >= solved else
                          ": solved; curriculum.filter_solved skips such prompts, or use harder data")
             parts.append(part)
         prompts = self._sum("prompts") / len(self.recent)
