@@ -66,13 +66,16 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, special_tokens:
     return fast
 
 
+def mrope_section(cfg: TinyModelConfig) -> list[int]:
+    """M-RoPE splits each head's rotary half-dimension into temporal, height and width sections."""
+    half = cfg.hidden_size // cfg.num_heads // 2
+    return [half - 2 * (half // 3), half // 3, half // 3]
+
+
 def tiny_qwen2vl_config(tokenizer, cfg: TinyModelConfig):
     """A `Qwen2VLConfig` of the given size whose special-token ids match `tokenizer`."""
     from transformers import Qwen2VLConfig
 
-    head_dim = cfg.hidden_size // cfg.num_heads
-    half = head_dim // 2  # M-RoPE splits the rotary half-dimension into temporal, height and width sections
-    section = [half - 2 * (half // 3), half // 3, half // 3]
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     return Qwen2VLConfig(
         text_config=dict(
@@ -84,7 +87,7 @@ def tiny_qwen2vl_config(tokenizer, cfg: TinyModelConfig):
             num_key_value_heads=cfg.num_kv_heads,
             max_position_embeddings=1024,
             initializer_range=cfg.initializer_range,
-            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section(cfg)},
             bos_token_id=ids["<|endoftext|>"],
             eos_token_id=ids["<|im_end|>"],
             pad_token_id=ids["<|endoftext|>"],
@@ -117,7 +120,6 @@ def tiny_qwen3vl_config(tokenizer, cfg: TinyModelConfig):
     from transformers import Qwen3VLConfig
 
     head_dim = cfg.hidden_size // cfg.num_heads
-    half = head_dim // 2
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     text = dict(vocab_size=len(tokenizer), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                 num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
@@ -126,7 +128,7 @@ def tiny_qwen3vl_config(tokenizer, cfg: TinyModelConfig):
                 eos_token_id=tokenizer.eos_token_id,
                 bos_token_id=tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.pad_token_id,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True,
-                                 "mrope_section": [half - 2 * (half // 3), half // 3, half // 3]})
+                                 "mrope_section": mrope_section(cfg)})
     vision = dict(depth=cfg.vision_depth, hidden_size=cfg.vision_dim, intermediate_size=2 * cfg.vision_dim,
                   num_heads=cfg.vision_heads, out_hidden_size=cfg.hidden_size, patch_size=16,
                   num_position_embeddings=64, deepstack_visual_indexes=[0], initializer_range=cfg.initializer_range)
@@ -159,7 +161,7 @@ def build_tiny_vlm(out_dir: str | Path, texts: Iterable[str], cfg: TinyModelConf
     from transformers import AutoModelForImageTextToText, Qwen2VLImageProcessorPil
 
     cfg = cfg or TinyModelConfig()
-    family = family or (cfg.family if cfg.family != "auto" else "qwen2_vl")
+    family = family or embedded_family(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = train_tokenizer(texts, cfg.vocab_size, extra_tokens=extra_tokens)

@@ -18,7 +18,7 @@ from vlmrl.config import TinyModelConfig
 from vlmrl.models.families.gemma3 import CHAT_TEMPLATE as GEMMA3_TEMPLATE
 from vlmrl.models.families.idefics3 import CHAT_TEMPLATE as IDEFICS3_TEMPLATE
 from vlmrl.models.families.llava import CHAT_TEMPLATE as LLAVA_TEMPLATE
-from vlmrl.models.tiny import SPECIAL_TOKENS, tiny_qwen2vl_config, tiny_qwen3vl_config, train_tokenizer
+from vlmrl.models.tiny import SPECIAL_TOKENS, mrope_section, tiny_qwen2vl_config, tiny_qwen3vl_config, train_tokenizer
 
 TINY_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "idefics3", "smolvlm", "llava", "llava_next", "gemma3")
 IDEFICS3_TOKENS = (["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<image>", "<fake_token_around_image>",
@@ -59,9 +59,8 @@ def _vision(cfg: TinyModelConfig, **extra) -> dict:
 
 
 def _mrope(cfg: TinyModelConfig, **extra) -> dict:
-    half = cfg.hidden_size // cfg.num_heads // 2
     return {"rope_type": "default", "rope_theta": 10000.0,
-            "mrope_section": [half - 2 * (half // 3), half // 3, half // 3], **extra}
+            "mrope_section": mrope_section(cfg), **extra}
 
 
 def tiny_family_parts(family: str, tok, cfg: TinyModelConfig):

@@ -6,6 +6,11 @@ from __future__ import annotations
 from vlmrl.trainer.curriculum import PASS_RATE_BINS, pass_rate_bin
 
 
+def task_of(sample: dict) -> str:
+    """The name a sample's per-task metrics (`task/<task>/...`) go under: its `task`, or "data" without one."""
+    return sample.get("task") or "data"
+
+
 def pass_rate_histogram(correct: list[bool], group_size: int) -> dict[str, float]:
     """The share of the trained groups in each pass-rate bin (`trained_pass_rate/0`, `/0-25`, ..., `/100`): how much
     of the batch could carry a signal (the two ends cannot under a 0/1 reward)."""
@@ -25,7 +30,7 @@ def task_reward_counts(batch) -> dict[str, float]:
         return {}
     out: dict[str, float] = {}
     for row, ok in zip(batch.rollout.prompt_index.tolist(), graded, strict=True):
-        task = batch.samples[row].get("task") or "data"
+        task = task_of(batch.samples[row])
         for kind in ("graded", "ungraded"):
             out.setdefault(f"task/{task}/{kind}_answers", 0.0)
         out[f"task/{task}/{'graded' if ok else 'ungraded'}_answers"] += 1.0
@@ -41,7 +46,7 @@ def task_signal_counts(samples: list[dict], signal: list[bool], correct: list[bo
     groups (`vlmrl.trainer.watch.SparseSignalWatch`)."""
     out: dict[str, float] = {}
     for i, (sample, ok) in enumerate(zip(samples, signal, strict=True)):
-        task = sample.get("task") or "data"
+        task = task_of(sample)
         solved = sum(correct[i * group_size:(i + 1) * group_size])
         for key, value in (("groups", 1.0), ("signal_groups", float(ok)), ("solved_groups", solved == group_size),
                            ("unsolved_groups", solved == 0)):

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from vlmrl.config import Config
 from vlmrl.rewards.coverage import grading_specs
 from vlmrl.rewards.registry import OWN_METRICS, RewardSpec, answer_type_of
+from vlmrl.trainer.step_metrics import task_of
 
 TRUNCATION_WARNING = 0.2  # share of answers cut at max_new_tokens above which training and eval warn
 REWARD_FAILURE_WARNING = 0.1  # share of a reward's values lost to failures above which training warns
@@ -104,7 +105,7 @@ def task_graders(specs: Sequence[RewardSpec], samples: Sequence[dict]) -> dict[s
     """Per task of `samples`, the weighted rewards that grade its answer types (vlmrl.rewards.coverage)."""
     kinds: dict[str, set[str]] = {}
     for s in samples:
-        kinds.setdefault(s.get("task") or "data", set()).add(answer_type_of(s) or "text")  # "data": step_metrics' name
+        kinds.setdefault(task_of(s), set()).add(answer_type_of(s) or "text")
     return {task: sorted({spec.key for kind in found for spec in grading_specs(specs, kind)})
             for task, found in kinds.items()}
 
