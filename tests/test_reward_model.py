@@ -333,6 +333,30 @@ def test_the_reward_under_torchrun_matches_one_process(trained_rm, tiny_model_di
         assert all(r["reward/reward_model/count"] > 0 for r in steps)
 
 
+@pytest.mark.slow  # ~1 min: one process and torchrun x2, 3 asynchronous RL steps each
+def test_the_reward_on_a_rollout_rank_matches_one_process(trained_rm, tiny_model_dir, tmp_path):
+    """rollout.rollout_ranks=1: the RM scores every training answer on the rollout rank (where they are sampled),
+    beside the generator, not on the training rank; the run ends exactly where one process with asynchronous
+    rollouts does, and the rollout rank's scores are the ones logged."""
+    from tests.test_distributed import run
+
+    extra = (f"model.name_or_path={tiny_model_dir}", "sft.steps=0", "rollout.asynchronous=true",
+             "rollout.max_staleness=1", "trainer.steps=3",
+             f"rewards=[{{name: reward_model, path: {trained_rm['run_dir']}}}, {{name: accuracy, weight: 0}}]")
+    one = run(tmp_path, "single", "none", 1, extra=extra, checkpoint="checkpoint-3")
+    said: list[str] = []
+    two = run(tmp_path, "split", "ddp", 2, extra=(*extra, "rollout.rollout_ranks=1"), stdout=said,
+              checkpoint="checkpoint-3")
+    assert "rollout rank 0: produced" in said[0]
+    for k in one:
+        assert torch.equal(one[k], two[k]), k
+    logged = {name: [r for r in map(json.loads, (tmp_path / name / "metrics.jsonl").read_text().splitlines())
+                     if r["phase"] == "train"] for name in ("single", "split")}
+    assert len(logged["split"]) == 3 and all(r["reward/reward_model/count"] > 0 for r in logged["split"])
+    assert [r["reward/reward_model/mean"] for r in logged["split"]] == \
+        [r["reward/reward_model/mean"] for r in logged["single"]]
+
+
 def weights_of(checkpoint: Path) -> dict:
     from tests.test_distributed import weights
 
