@@ -29,7 +29,7 @@ from vlmrl.data import (
     vocabulary_texts,
     zoom,
 )
-from vlmrl.data.digits import _load_digits, digit_pools
+from vlmrl.data.digits import CELL_PX, FONT_PX, _load_digits, digit_pools
 from vlmrl.data.sample import is_held_out
 from vlmrl.data.shapes import COLORS, GAP_PX, MIN_OBJECT_PX, scene_key
 
@@ -169,6 +169,37 @@ def test_digit_sums_match_the_labels():
     assert {len(s["digits"]) for s in make_task("digits_sum", 20, "ood", num_digits=[2, 5])} == {6}
 
 
+def _ink(image: np.ndarray) -> np.ndarray:
+    """The inked part of a grayscale image, cropped to its bounding box."""
+    rows, cols = np.nonzero(image < 255)
+    return image[rows.min():rows.max() + 1, cols.min():cols.max() + 1]
+
+
+def test_printed_digits_show_the_digits_they_are_labelled_with():
+    """style=printed: column k holds exactly the glyph of digit k (the same ink as that digit printed alone), inside
+    its column; the sum is the labels'; the default (handwritten) samples are unchanged by the option's existence."""
+    from PIL import ImageDraw, ImageFont
+
+    def glyph(d: int) -> np.ndarray:  # the digit in Pillow's font, drawn here, not by the task's code
+        canvas = Image.new("L", (40, 40), 255)
+        ImageDraw.Draw(canvas).text((5, 5), str(d), font=ImageFont.load_default(size=FONT_PX), fill=0)
+        return _ink(np.asarray(canvas))
+
+    glyphs = {d: glyph(d) for d in range(10)}
+    assert len({g.tobytes() for g in glyphs.values()}) == 10
+    samples = make_task("digits_sum", 40, "test", seed=3, style="printed", num_digits=[4, 6])
+    assert {len(s["digits"]) for s in samples} == {4, 5, 6}
+    for s in samples:
+        assert s["id"].startswith("digits_sum[num_digits=[4,6],style=printed]/test/")
+        assert s["solution"] == str(sum(s["digits"])) and "digit_indices" not in s
+        image = np.asarray(s["images"][0].convert("L"))
+        assert image.shape == (56, CELL_PX * len(s["digits"]))
+        for k, digit in enumerate(s["digits"]):
+            assert np.array_equal(_ink(image[:, k * CELL_PX:(k + 1) * CELL_PX]), glyphs[digit]), (s["id"], k)
+    handwritten = make_task("digits_sum", 2, "train", style="handwritten")
+    assert handwritten[0]["id"] == "digits_sum/train/0" and "digit_indices" in handwritten[0]
+
+
 TASK_ERRORS = [
     (("nope", 1, "train"), {}, "unknown task 'nope'"),
     (("shapes_count", 1, "val"), {}, "unknown split 'val'"),
@@ -176,6 +207,7 @@ TASK_ERRORS = [
     (("shapes_count", 1, "train"), {"target": "size"}, "option 'target' must be one of"),
     (("shapes_shape", 1, "train"), {"colors": ["red", "pink"]}, "unknown name 'pink'"),
     (("digits_sum", -1, "train"), {}, "n must be a non-negative int"),
+    (("digits_sum", 1, "train"), {"style": "cursive"}, "option 'style' must be one of.*'printed'"),
 ]
 
 

@@ -1,10 +1,13 @@
-"""Real handwriting: sum the digits in a row of scikit-learn's 8x8 handwritten digits.
+"""Real handwriting: sum the digits in a row of scikit-learn's 8x8 handwritten digits (or, with ``style: printed``,
+of digits printed in a font).
 
 The 1,797 digits of ``sklearn.datasets.load_digits`` (bundled with scikit-learn, no download) are split once by a
 fixed permutation into a train pool (80%) and a held-out pool (20%). Train samples use only the train pool; test and
 ood samples only the held-out pool, so test handwriting is never seen in training. Each digit is upscaled 3x to
 24 px (nearest neighbour), drawn dark on light, and placed in its own 28-px column of a 56-px-high canvas with a
-little random jitter; the canvas is 28 px per digit wide (56 px at least).
+little random jitter; the canvas is 28 px per digit wide (56 px at least). Printed digits are drawn in the font
+Pillow bundles (Aileron, 22 px) with the same jitter: nearly always read right, so that what a task built on them
+tests is the reasoning after the reading (the sum of many digits, step by step).
 """
 
 from __future__ import annotations
@@ -19,7 +22,9 @@ from PIL import Image
 from .sample import DataError, Sample, check_split, option_tag, resolve_options, task_rng
 
 PROBLEM = "What is the sum of the digits?"
-DIGITS_OPTIONS: dict[str, Any] = {"num_digits": (2, 3)}
+DIGITS_OPTIONS: dict[str, Any] = {"num_digits": (2, 3), "style": "handwritten"}
+STYLES = ("handwritten", "printed")
+FONT_PX = 22
 TRAIN_FRACTION = 0.8
 PARTITION_SEED = 20240917  # fixed forever: changing it would move digits between the train and held-out pools
 CELL_PX = 28
@@ -64,6 +69,28 @@ def render_digits(indices: list[int], rng: random.Random) -> Image.Image:
     return canvas.convert("RGB")
 
 
+@lru_cache(maxsize=1)
+def _font():
+    from PIL import ImageFont
+
+    return ImageFont.load_default(size=FONT_PX)
+
+
+def render_printed(digits: list[int], rng: random.Random) -> Image.Image:
+    """The digits printed side by side in Pillow's bundled font, one 28-px column each, jittered within it; RGB."""
+    from PIL import ImageDraw
+
+    width = max(2, len(digits)) * CELL_PX
+    canvas = Image.new("L", (width, CANVAS_HEIGHT), 255)
+    draw = ImageDraw.Draw(canvas)
+    for column, digit in enumerate(digits):
+        left, top, right, bottom = draw.textbbox((0, 0), str(digit), font=_font())
+        dx = rng.randint(0, CELL_PX - (right - left)) - left
+        dy = rng.randint(0, CANVAS_HEIGHT - (bottom - top)) - top
+        draw.text((column * CELL_PX + dx, dy), str(digit), font=_font(), fill=0)
+    return canvas.convert("RGB")
+
+
 def _digit_counts(num_digits: Any) -> tuple[int, int]:
     if isinstance(num_digits, int) and not isinstance(num_digits, bool):
         num_digits = (num_digits, num_digits)
@@ -82,14 +109,18 @@ def _digit_counts(num_digits: Any) -> tuple[int, int]:
 def digits_sum(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample]:
     """ "What is the sum of the digits?" over 2-3 handwritten digits -> ``"13"`` (answer_type number).
 
-    Options: ``num_digits`` (int or [min, max], default [2, 3]). ood uses one digit more than the maximum (4 by
-    default) from the held-out pool. Samples carry ``digits`` (labels), ``digit_indices`` (into load_digits),
-    ``width`` and ``height``.
+    Options: ``num_digits`` (int or [min, max], default [2, 3]); ``style`` ("handwritten", default, or "printed":
+    the digits in a font, so the reading is easy and the adding is the task). ood uses one digit more than the
+    maximum (4 by default), handwritten ones from the held-out pool. Samples carry ``digits`` (labels), ``width``
+    and ``height``, handwritten ones ``digit_indices`` (into load_digits).
     """
     task = "digits_sum"
     check_split(task, split)
     opts = resolve_options(task, options, DIGITS_OPTIONS)
     low, high = _digit_counts(opts["num_digits"])
+    if opts["style"] not in STYLES:
+        raise DataError(f"task 'digits_sum': option 'style' must be one of {list(STYLES)}, got {opts['style']!r}")
+    printed = opts["style"] == "printed"
     if split == "ood":
         low = high = high + 1
     tag = option_tag(options, DIGITS_OPTIONS)
@@ -98,9 +129,13 @@ def digits_sum(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample
     samples = []
     for index in range(n):
         rng = task_rng(task, split, seed, tag, index)
-        indices = [int(pool[rng.randrange(len(pool))]) for _ in range(rng.randint(low, high))]
-        digits = [int(labels[i]) for i in indices]
-        image = render_digits(indices, rng)
+        if printed:
+            digits, indices = [rng.randrange(10) for _ in range(rng.randint(low, high))], None
+            image = render_printed(digits, rng)
+        else:
+            indices = [int(pool[rng.randrange(len(pool))]) for _ in range(rng.randint(low, high))]
+            digits = [int(labels[i]) for i in indices]
+            image = render_digits(indices, rng)
         samples.append(
             {
                 "id": f"{task}{tag}/{split}/{index}",
@@ -113,7 +148,7 @@ def digits_sum(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample
                 "height": image.height,
                 "digits": digits,
                 "difficulty": len(digits),  # digits to add: curriculum.order=easy_to_hard sorts by it
-                "digit_indices": indices,
+                **({} if printed else {"digit_indices": indices}),
             }
         )
     return samples
