@@ -29,7 +29,7 @@ from vlmrl.data import (
     vocabulary_texts,
     zoom,
 )
-from vlmrl.data.digits import CELL_PX, FONT_PX, _load_digits, digit_pools
+from vlmrl.data.digits import CELL_PX, FONT_PX, STROKE_PX, _load_digits, digit_pools
 from vlmrl.data.sample import is_held_out
 from vlmrl.data.shapes import COLORS, GAP_PX, MIN_OBJECT_PX, scene_key
 
@@ -182,7 +182,8 @@ def test_printed_digits_show_the_digits_they_are_labelled_with():
 
     def glyph(d: int) -> np.ndarray:  # the digit in Pillow's font, drawn here, not by the task's code
         canvas = Image.new("L", (40, 40), 255)
-        ImageDraw.Draw(canvas).text((5, 5), str(d), font=ImageFont.load_default(size=FONT_PX), fill=0)
+        ImageDraw.Draw(canvas).text((5, 5), str(d), font=ImageFont.load_default(size=FONT_PX), fill=0,
+                                     stroke_width=STROKE_PX, stroke_fill=0)
         return _ink(np.asarray(canvas))
 
     glyphs = {d: glyph(d) for d in range(10)}

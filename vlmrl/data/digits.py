@@ -6,7 +6,7 @@ fixed permutation into a train pool (80%) and a held-out pool (20%). Train sampl
 ood samples only the held-out pool, so test handwriting is never seen in training. Each digit is upscaled 3x to
 24 px (nearest neighbour), drawn dark on light, and placed in its own 28-px column of a 56-px-high canvas with a
 little random jitter; the canvas is 28 px per digit wide (56 px at least). Printed digits are drawn in the font
-Pillow bundles (Aileron, 22 px) with the same jitter: nearly always read right, so that what a task built on them
+Pillow bundles (Aileron, 24 px, bold) with the same jitter: nearly always read right, so that what a task built on them
 tests is the reasoning after the reading (the sum of many digits, step by step).
 """
 
@@ -24,7 +24,8 @@ from .sample import DataError, Sample, check_split, option_tag, resolve_options,
 PROBLEM = "What is the sum of the digits?"
 DIGITS_OPTIONS: dict[str, Any] = {"num_digits": (2, 3), "style": "handwritten"}
 STYLES = ("handwritten", "printed")
-FONT_PX = 22
+FONT_PX = 24
+STROKE_PX = 1  # drawn bold: strokes as wide as handwriting's, which the embedded vision tower reads
 TRAIN_FRACTION = 0.8
 PARTITION_SEED = 20240917  # fixed forever: changing it would move digits between the train and held-out pools
 CELL_PX = 28
@@ -84,10 +85,11 @@ def render_printed(digits: list[int], rng: random.Random) -> Image.Image:
     canvas = Image.new("L", (width, CANVAS_HEIGHT), 255)
     draw = ImageDraw.Draw(canvas)
     for column, digit in enumerate(digits):
-        left, top, right, bottom = draw.textbbox((0, 0), str(digit), font=_font())
+        left, top, right, bottom = draw.textbbox((0, 0), str(digit), font=_font(), stroke_width=STROKE_PX)
         dx = rng.randint(0, CELL_PX - (right - left)) - left
         dy = rng.randint(0, CANVAS_HEIGHT - (bottom - top)) - top
-        draw.text((column * CELL_PX + dx, dy), str(digit), font=_font(), fill=0)
+        draw.text((column * CELL_PX + dx, dy), str(digit), font=_font(), fill=0, stroke_width=STROKE_PX,
+                  stroke_fill=0)
     return canvas.convert("RGB")
 
 
