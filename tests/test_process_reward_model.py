@@ -210,3 +210,44 @@ def test_write_rows_reads_back_as_user_data(tmp_path):
     assert report.loaded == 3 and [b["digits"] for b in back] == [r["digits"] for r in rows]
     assert all(b["completion"] == "x" for b in back)
     assert back[0]["images"][0].tobytes() == rows[0]["images"][0].convert("RGB").tobytes()
+
+
+def test_the_logprob_term_is_the_models_own_logprob_of_what_it_scores(tiny_model_dir, tmp_path):
+    """model.logprob_term: with the head at zero and the term's weight at 1 (a new RM), an outcome RM scores an
+    answer with the sum of its tokens' log-probabilities (end token included) under the VLM's language model, as the
+    training forward computes them (sequence_logprobs at temperature 1), and a PRM scores each step with the sum over
+    that step's tokens ("7+3=10": five tokens); a trained weight and head survive a save and load."""
+    from vlmrl.models.forward import sequence_logprobs
+    from vlmrl.models.reward_model import answer_ids, step_token_spans
+    from vlmrl.rewards.reward_model import text_step_logits
+    from vlmrl.rollout.batch import make_prompts
+
+    policy = load_policy(tiny_model_dir)
+    samples = make_task("digits_sum", 2, "train", seed=0)
+    texts = ["<think>7\n7+3=10</think><answer>10</answer>", "<think>4</think><answer>4</answer>"]
+    ids, mask = answer_ids(policy, texts)
+    with torch.no_grad():
+        prompts = make_prompts(policy, samples, "{problem}")
+        token_lp = sequence_logprobs(policy, prompts, torch.arange(2), ids, mask, 1.0).logprobs
+        outcome = RewardModel.on(policy, logprob_term=True)
+        assert outcome.score(outcome.prompts(samples), torch.arange(2), ids, mask).tolist() == pytest.approx(
+            (token_lp * mask).sum(-1).tolist(), abs=1e-4)
+        process = RewardModel.on(policy, process={"split": "lines", "think_tag": "think", "aggregate": "min"},
+                                 logprob_term=True)
+        steps = step_token_spans(policy, texts, [step_spans(t) for t in texts])
+        tok = policy.processor.literal_tokenizer
+        assert [tok.decode(ids[0, a:b + 1]) for a, b in steps[0]] == ["7", "7+3=10"]
+        logits = text_step_logits(process, process.prompts(samples), torch.arange(2), texts)
+        for n, row in enumerate(steps):
+            assert logits[n].tolist() == pytest.approx([token_lp[n, a:b + 1].sum().item() for a, b in row], abs=1e-4)
+        process.logprob_weight.fill_(0.5)
+        process.head.bias.fill_(0.25)
+        process.save_pretrained(tmp_path / "prm")
+    loaded = RewardModel.from_pretrained(tmp_path / "prm")
+    assert loaded.logprob_weight is not None and loaded.logprob_weight.item() == 0.5
+    with torch.no_grad():
+        again = text_step_logits(loaded, loaded.prompts(samples), torch.arange(2), texts)
+    for n, row in enumerate(steps):
+        assert again[n].tolist() == pytest.approx([0.25 + 0.5 * token_lp[n, a:b + 1].sum().item() for a, b in row],
+                                                  abs=1e-4)
+    assert RewardModel.on(policy).logprob_weight is None  # off unless asked: the head alone, as before

@@ -75,22 +75,33 @@ def answer_hidden(family, prompt: PromptEmbeds, ids: Tensor, mask: Tensor) -> Te
     return hidden[:, prompt.embeds.shape[1] - 1:]
 
 
-def last_token_hidden(family, prompt: PromptEmbeds, ids: Tensor, mask: Tensor) -> Tensor:
-    """The final hidden state [N, H] of the last real token of each row (`answer_hidden`); a row with an empty
-    answer takes its prompt's last token."""
-    hidden = answer_hidden(family, prompt, ids, mask)
-    return hidden[torch.arange(len(ids), device=hidden.device), mask.to(hidden.device).sum(-1)]
+def step_token_spans(policy: Policy, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    """For each answer, each step's (first, last) token index into its `answer_ids` tokens: the first token holding
+    a character of the step and the one holding its last character (where a process reward model reads that step's
+    score, having seen the step and everything before it)."""
+    tok = policy.processor.literal_tokenizer
+    out = []
+    for text, steps in zip(texts, spans, strict=True):
+        offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        out.append([(next(k for k, (a, b) in enumerate(offsets) if b > start and b > a),
+                     next(k for k, (a, b) in enumerate(offsets) if b >= end and b > a)) for start, end in steps])
+    return out
 
 
 def step_token_ends(policy: Policy, texts: list[str], spans: list[list[tuple[int, int]]]) -> list[list[int]]:
-    """For each answer, the index (into its `answer_ids` tokens) of the token holding each step's last character:
-    where a process reward model reads that step's score, having seen the step and everything before it."""
-    tok = policy.processor.literal_tokenizer
-    ends = []
-    for text, steps in zip(texts, spans, strict=True):
-        offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
-        ends.append([next(k for k, (a, b) in enumerate(offsets) if b >= end and b > a) for _, end in steps])
-    return ends
+    """For each answer, the index of the token holding each step's last character (`step_token_spans`)."""
+    return [[last for _, last in row] for row in step_token_spans(policy, texts, spans)]
+
+
+def token_logprobs(family, hidden: Tensor, ids: Tensor) -> Tensor:
+    """[N, T] log-probabilities (temperature 1) of answer tokens `ids` [N, T] under the model's own language-model
+    head, from `answer_hidden`'s [N, T + 1, H] (column k predicts answer token k); one row at a time, so the
+    vocabulary-wide logits of only one answer are held at once."""
+    rows = []
+    for n in range(len(ids)):
+        logits = family.lm_head(hidden[n, :-1]).float()
+        rows.append(logits.log_softmax(-1).gather(-1, ids[n].to(logits.device)[:, None]).squeeze(-1))
+    return torch.stack(rows)
 
 
 AGGREGATES = ("min", "product", "last", "mean")
@@ -115,17 +126,23 @@ def aggregate_steps(probabilities: list[float], how: str = "min") -> float | Non
 @dataclass
 class RewardModel:
     """A policy's VLM (and processor) with a scalar head: r = head(h_last), h_last the final hidden state of the last
-    real token of prompt + answer. `info` is the folder's reward_model.json (without the head's weights)."""
+    real token of prompt + answer. With a log-prob term (`logprob_weight`, a learned scalar a) the score also counts
+    how likely the VLM's own language model finds what it scores: r = head(h) + a * sum log p(scored tokens), the
+    answer's tokens for an outcome RM, the step's for a PRM (a step the model would not have written is suspect: the
+    implicit process reward of Yuan et al. 2024, here one feature the RM learns to weigh). `info` is the folder's
+    reward_model.json (without the head's weights)."""
 
     policy: Policy
     head: nn.Linear
     info: dict = field(default_factory=dict)
+    logprob_weight: nn.Parameter | None = None
 
     @classmethod
     def on(cls, policy: Policy, prompt_template: str = "{problem}", max_prompt_length: int = 512,
-           max_answer_tokens: int = 512, process: dict | None = None) -> RewardModel:
-        """A new RM on `policy`'s weights: the head starts at zero (every answer scores 0 until trained). With
-        `process` ({split, think_tag, aggregate}) a process reward model: the head scores every reasoning step."""
+           max_answer_tokens: int = 512, process: dict | None = None, logprob_term: bool = False) -> RewardModel:
+        """A new RM on `policy`'s weights: the head starts at zero (every answer scores 0 until trained; with
+        `logprob_term`, its log-prob, the term's weight starting at 1). With `process` ({split, think_tag,
+        aggregate}) a process reward model: the head scores every reasoning step."""
         hidden = policy.model.config.text_config.hidden_size
         head = nn.Linear(hidden, 1).to(policy.family.device)
         nn.init.zeros_(head.weight)
@@ -133,11 +150,12 @@ class RewardModel:
         kind = {"kind": "process", "pooling": "step_ends", "process": dict(process)} if process else {
             "kind": "outcome", "pooling": "last_token"}
         info = {"vlmrl_reward_model": FORMAT_VERSION, **kind,
-                "head": {"file": HEAD_FILE, "in_features": hidden, "out_features": 1},
+                "head": {"file": HEAD_FILE, "in_features": hidden, "out_features": 1, "logprob_term": logprob_term},
                 "prompt_template": prompt_template, "max_prompt_length": max_prompt_length,
                 "max_answer_tokens": max_answer_tokens,
                 "vocabulary": vocabulary_fingerprint(policy.processor.tokenizer)}
-        return cls(policy, head, info)
+        weight = nn.Parameter(torch.ones(1, device=policy.family.device)) if logprob_term else None
+        return cls(policy, head, info, weight)
 
     @property
     def kind(self) -> str:
@@ -146,7 +164,8 @@ class RewardModel:
 
     def parameters(self) -> list[nn.Parameter]:
         """What training updates: the VLM's trainable weights and the head."""
-        return [p for p in self.policy.model.parameters() if p.requires_grad] + list(self.head.parameters())
+        return [p for p in self.policy.model.parameters() if p.requires_grad] + list(self.head.parameters()) + (
+            [self.logprob_weight] if self.logprob_weight is not None else [])
 
     def train(self, mode: bool = True) -> RewardModel:
         self.policy.model.train(mode)
@@ -163,17 +182,33 @@ class RewardModel:
     def score(self, prompts: PromptBatch, rows: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
         """Scores [N] (float32) of answers `ids`/`mask` [N, T], answer n answering prompt `rows[n]` of `prompts`:
         each prompt's images go through the vision tower once for all of its answers."""
-        embeds = self.policy.family.prompt_embeds(prompts).select(rows.to(self.policy.family.device))
-        hidden = last_token_hidden(self.policy.family, embeds, ids, mask)
-        return self.head(hidden.float()).squeeze(-1)
+        family = self.policy.family
+        embeds = family.prompt_embeds(prompts).select(rows.to(family.device))
+        hidden = answer_hidden(family, embeds, ids, mask)
+        last = hidden[torch.arange(len(ids), device=hidden.device), mask.to(hidden.device).sum(-1)]
+        scores = self.head(last.float()).squeeze(-1)
+        if self.logprob_weight is None:
+            return scores
+        logp = token_logprobs(family, hidden, ids) * mask.to(hidden.device)
+        return scores + self.logprob_weight * logp.sum(-1)
 
     def step_logits(self, prompts: PromptBatch, rows: Tensor, ids: Tensor, mask: Tensor,
-                    ends: list[list[int]]) -> list[Tensor]:
+                    steps: list[list[tuple[int, int]]]) -> list[Tensor]:
         """A process RM's logit of each step being right, per answer ([steps of answer n]): the head on the hidden
-        state of each step's last token (`step_token_ends`), having seen the prompt and the answer up to there."""
-        embeds = self.policy.family.prompt_embeds(prompts).select(rows.to(self.policy.family.device))
-        logits = self.head(answer_hidden(self.policy.family, embeds, ids, mask).float()).squeeze(-1)
-        return [logits[n, torch.tensor(e, dtype=torch.long, device=logits.device) + 1] for n, e in enumerate(ends)]
+        state of each step's last token (`step_token_spans`: each step's (first, last) token), having seen the
+        prompt and the answer up to there; with the log-prob term, plus its weight times the step's tokens'
+        log-probability."""
+        family = self.policy.family
+        embeds = family.prompt_embeds(prompts).select(rows.to(family.device))
+        hidden = answer_hidden(family, embeds, ids, mask)
+        logits = self.head(hidden.float()).squeeze(-1)
+        out = [logits[n, torch.tensor([b for _, b in e], dtype=torch.long, device=logits.device) + 1]
+               for n, e in enumerate(steps)]
+        if self.logprob_weight is None:
+            return out
+        logp = token_logprobs(family, hidden, ids)
+        return [x + self.logprob_weight * torch.stack([logp[n, a:b + 1].sum() for a, b in steps[n]])
+                for n, x in enumerate(out)]
 
     def save_head(self, path: str | Path, extra: dict | None = None) -> None:
         """Write reward_model.json (with `extra` merged in, e.g. the held-out accuracy) and the head's weights."""
@@ -182,8 +217,10 @@ class RewardModel:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         self.info = {**self.info, **(extra or {})}
-        save_file({k: v.detach().float().cpu().contiguous() for k, v in self.head.state_dict().items()},
-                  path / HEAD_FILE)
+        tensors = dict(self.head.state_dict())
+        if self.logprob_weight is not None:
+            tensors["logprob_weight"] = self.logprob_weight
+        save_file({k: v.detach().float().cpu().contiguous() for k, v in tensors.items()}, path / HEAD_FILE)
         (path / REWARD_MODEL_FILE).write_text(json.dumps(self.info, indent=1) + "\n")
 
     def save_pretrained(self, path: str | Path, extra: dict | None = None) -> None:
@@ -206,6 +243,9 @@ class RewardModel:
             raise PathError(f"{marker}: format {info.get('vlmrl_reward_model')!r}, kind {info.get('kind')!r}; this "
                             f"vlmrl reads outcome and process reward models of format {FORMAT_VERSION}")
         policy = load_policy(path, dtype, device, autocast=autocast)
+        tensors = load_file(path / info["head"]["file"])
+        weight = tensors.pop("logprob_weight", None) if info["head"].get("logprob_term") else None
         head = nn.Linear(info["head"]["in_features"], 1)
-        head.load_state_dict(load_file(path / info["head"]["file"]))
-        return cls(policy, head.to(policy.family.device), info)
+        head.load_state_dict(tensors)
+        device = policy.family.device
+        return cls(policy, head.to(device), info, None if weight is None else nn.Parameter(weight.to(device)))

@@ -156,14 +156,15 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
 
 def text_step_logits(rm: RewardModel, prompts, rows, texts: list[str], finished: list[bool] | None = None):
     """A process RM's step logits of each answer text (a tensor of one per step): its steps split as its
-    reward_model.json says (`step_spans`), each read after the step's last token."""
-    from vlmrl.models.reward_model import answer_ids, step_token_ends
+    reward_model.json says (`step_spans`), each read after the step's last token (with its log-prob term, over the
+    step's tokens)."""
+    from vlmrl.models.reward_model import answer_ids, step_token_spans
     from vlmrl.rewards.reasoning import step_spans
 
     cfg = rm.info["process"]
     ids, mask = answer_ids(rm.policy, texts, finished)
     spans = [step_spans(t, cfg["split"], cfg["think_tag"]) for t in texts]
-    return rm.step_logits(prompts, rows, ids, mask, step_token_ends(rm.policy, texts, spans))
+    return rm.step_logits(prompts, rows, ids, mask, step_token_spans(rm.policy, texts, spans))
 
 
 def answer_scores(rm: RewardModel, prompts, rows, texts: list[str], finished: list[bool]) -> list[float | None]:

@@ -53,6 +53,9 @@ class RMModelConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Name = "cpu"
     autocast: bool = True  # bf16 autocast of forwards on CUDA (weights stay in `dtype`)
+    # score = head(h) + a x log p(the scored tokens) under the VLM's own language model (an outcome RM: the answer's
+    # tokens; a PRM: the step's), a learned from 1: what the model would not have written is suspect
+    logprob_term: bool = False
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -251,7 +254,7 @@ def build_model(cfg: RMConfig, run_dir: Path, template: str) -> RewardModel:
         name = build_tiny_vlm(run_dir / "base_model", vocabulary_texts(d.seed), m.tiny, seed=cfg.trainer.seed)
     policy = load_policy(name, m.dtype, m.device, autocast=m.autocast)
     process = vars(cfg.process) if d.steps is not None else None
-    return RewardModel.on(policy, template, d.max_prompt_length, d.max_answer_tokens, process)
+    return RewardModel.on(policy, template, d.max_prompt_length, d.max_answer_tokens, process, m.logprob_term)
 
 
 def check_answer_lengths(rm: RewardModel, pairs: list[dict]) -> None:
