@@ -56,6 +56,10 @@ VARIANTS = {
                               "judge.penalties": ZERO, "rl.bank_directions": ["t2i"]},
     "reclip_log_t2ibank": {"rl.advantage": "log", "rl.bank_size": 2000, "rl.counterfactuals": 0,
                            "judge.penalties": ZERO, "rl.bank_directions": ["t2i"]},
+    # the reasons also drawn as scenes: each truth's first 1 (2) counterfactual captions as new images, extra image
+    # columns of its caption's text-to-image term (NegCLIP has text negatives only)
+    "reclip_cfimg": {"rl.counterfactual_images": 1},
+    "reclip_cfimg2": {"rl.counterfactual_images": 2},
 }
 # the recipe's ReCLIP with a judge trained by vlmrl (benchmarks/reclip_grm.py), served at --grm-url
 LEARNED_JUDGE = {"model": "reclip_grm", "template": "Ground truth: {reference}\nRetrieved: {prediction}",

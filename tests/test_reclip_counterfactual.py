@@ -10,7 +10,7 @@ from vlmrl.reclip.config import JudgeConfig, RLConfig, load_reclip_config
 from vlmrl.reclip.counterfactual import counterfactuals, gather
 from vlmrl.reclip.feedback import Feedback, parse_feedback
 from vlmrl.reclip.judge import SceneGraphJudge, compare_descriptions
-from vlmrl.reclip.scenes import PHRASES, Description, Group, make_scenes
+from vlmrl.reclip.scenes import PHRASES, Description, Group, describe, make_scenes, parse_caption, scene_of
 from vlmrl.reclip.step import Scorer, StepContext, _counterfactual_sims, reclip_step
 from vlmrl.reclip.store import InputStore
 from vlmrl.reclip.students import hf_student_from_config
@@ -114,7 +114,8 @@ def test_counterfactual_columns_belong_to_their_own_truth_only():
     confusions = [[parse_feedback("[IRRELEVANT] relation: left-of != right-of"),
                    parse_feedback("[IRRELEVANT] colour: red != blue; colour: green != red")] for _ in range(4)]
     metrics = {}
-    sims = _counterfactual_sims(ctx, [0, 1, 2, 3], img, confusions, metrics)
+    sims, images = _counterfactual_sims(ctx, [0, 1, 2, 3], img, img, confusions, metrics)
+    assert images is None  # rl.counterfactual_images = 0: no scenes drawn
     owners = (sims > -1e3).long()
     assert sims.shape[0] == 4 and sims.shape[1] == metrics["counterfactual/captions"] * 4
     assert (owners.sum(0) == 1).all()  # each caption is a column of exactly one row
@@ -202,3 +203,42 @@ def test_an_endpoint_judge_gets_a_steps_calls_at_once_with_the_same_results():
         assert (state["max"] == 1 if workers == 1 else 1 < state["max"] <= 4) and results[workers]["judge/calls"] > 4
     assert results[1]["loss"] == results[4]["loss"]
     assert results[1]["i2t/reward_mean"] == results[4]["i2t/reward_mean"]
+
+
+def test_a_caption_parses_back_to_its_description_and_draws_as_a_scene_that_shows_it():
+    """parse_caption inverts the captions (both phrasings of a relation) and the hard negatives; scene_of draws
+    objects whose scene graph is that description; text outside the grammar is None."""
+    import random
+
+    for item in make_scenes(80, "train", 5):
+        for text, desc in [(item.caption, item.description), *((n.caption, n.description) for n in item.negatives)]:
+            parsed = parse_caption(text)
+            assert parsed is not None and parsed.key() == desc.key(), text
+            assert describe(scene_of(parsed, random.Random(text))).key() == desc.key(), text
+    for text in ("a red circles", "two red circle", "a red circle to the left of a red circle", "a purple circle",
+                 "hello", "a red circle beside a blue square"):
+        assert parse_caption(text) is None, text
+
+
+def test_counterfactual_scenes_are_image_columns_of_their_own_caption_only():
+    """rl.counterfactual_images=1: each truth's first counterfactual caption is drawn as a scene and becomes an image
+    column of its own caption's row only (text-to-image term); the same caption draws the same scene again; the
+    anchor grows against the same step without them."""
+    ctx = tiny_ctx(4, counterfactuals=2, counterfactual_images=1)
+    img = torch.nn.functional.normalize(torch.randn(4, 16), dim=-1)
+    confusions = [[Feedback("irrelevant", compare_descriptions(it.description, n.description))
+                   for n in it.negatives if n.kind == "relation"] for it in ctx.items]  # the judge on a swap
+    metrics = {}
+    txt = ctx.student.embed_texts(ctx.store.texts([it.caption for it in ctx.items])).float()
+    _, images = _counterfactual_sims(ctx, [0, 1, 2, 3], img, txt, confusions, metrics)
+    relational = [row for row in range(4) if ctx.items[row].description.relation is not None]
+    assert images.shape == (4, len(relational)) and metrics["counterfactual/images"] == len(relational) / 4
+    owners = (images > -1e3).long()
+    assert owners.sum(0).tolist() == [1] * len(relational) and owners.sum(1)[relational].tolist() == [1] * len(
+        relational)
+    assert torch.equal(images, _counterfactual_sims(ctx, [0, 1, 2, 3], img, txt, confusions, {})[1])
+    plain = reclip_step(tiny_ctx(8, counterfactuals=2), list(range(8)))
+    drawn = reclip_step(tiny_ctx(8, counterfactuals=2, counterfactual_images=1), list(range(8)))
+    assert drawn["counterfactual/images"] > 0 and drawn["anchor_infonce"] > plain["anchor_infonce"]
+    with pytest.raises(ConfigError, match="rl.counterfactual_images"):
+        load_reclip_config(None, ["rl.counterfactuals=1", "rl.counterfactual_images=2"])

@@ -92,6 +92,14 @@ def test_info_nce_by_hand():
     loss_neg = info_nce(torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 0.0]]), 1.0)
     i2t = 0.5 * (-math.log(math.e / (2 * math.e + 1)) - math.log(math.e / (math.e + 2)))
     assert loss_neg.item() == pytest.approx(0.5 * (i2t + math.log(1 + math.exp(-1))), abs=1e-6)
+    # extra image columns (counterfactual scenes) enter the text->image direction only: caption 0 against images
+    # (1, 0) and one more at similarity 1 -> -log(e / (2e + 1)); caption 1 unchanged (its column masked at -1e4)
+    loss_img = info_nce(torch.eye(2), 1.0, image_extra=torch.tensor([[1.0], [-1.0e4]]))
+    t2i = 0.5 * (-math.log(math.e / (2 * math.e + 1)) + math.log(1 + math.exp(-1)))
+    assert loss_img.item() == pytest.approx(0.5 * (math.log(1 + math.exp(-1)) + t2i), abs=1e-6)
+    # split by rows (ranks), the shares add up to the whole
+    halves = [info_nce(torch.eye(2), 1.0, rows=r, image_extra=torch.tensor([[1.0], [-1.0e4]])) for r in ((0, 1), (1, 2))]
+    assert sum(h.item() for h in halves) == pytest.approx(loss_img.item(), abs=1e-6)
 
 
 def test_distill_kl_by_hand():

@@ -81,6 +81,9 @@ class RLConfig:
     # the words as a dense signal: per truth, up to this many counterfactual captions (its caption edited by the
     # reasons of its likeliest judged misses) join the anchor as its own negatives; 0 = reasons reach only the reward
     counterfactuals: Count = 4
+    # per truth, up to this many of its counterfactual captions also drawn as new scenes (built-in scene captions; a
+    # caption outside their grammar is counted, not drawn): extra image columns of its caption's text-to-image term
+    counterfactual_images: Count = 0
     kl_weight: NonNegative = 0.0  # + weight * KL(pi_start || pi) on the batch: distillation to the warm-start student
     max_grad_norm: Positive = 1.0
 
@@ -152,6 +155,10 @@ RULES: tuple[Rule, ...] = (
     Rule(("rl.candidates", "rl.batch_size"), "`rl.candidates` <= `rl.batch_size`", lambda c: (
         f"rl.candidates={c.rl.candidates} > rl.batch_size={c.rl.batch_size}: the batch is the candidate pool; "
         f"lower rl.candidates or raise rl.batch_size") if c.rl.candidates > c.rl.batch_size else None),
+    Rule(("rl.counterfactual_images", "rl.counterfactuals"), "`rl.counterfactual_images` needs counterfactuals",
+         lambda c: ("rl.counterfactual_images draws counterfactual captions as scenes; set rl.counterfactuals >= "
+                    "rl.counterfactual_images or rl.counterfactual_images=0")
+         if c.rl.counterfactual_images > c.rl.counterfactuals else None),
     Rule(("rl.counterfactuals", "rl.anchor_weight"), "`rl.counterfactuals` needs `rl.anchor_weight` > 0", lambda c: (
         "rl.counterfactuals: the counterfactual captions join the anchor's InfoNCE; set rl.anchor_weight > 0 or "
         "rl.counterfactuals=0") if c.rl.counterfactuals and not c.rl.anchor_weight else None),

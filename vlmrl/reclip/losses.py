@@ -91,21 +91,26 @@ def reinforce_loss(logp: torch.Tensor, candidates: torch.Tensor, advantages: tor
 
 
 def info_nce(sim: torch.Tensor, scale: torch.Tensor | float, targets: torch.Tensor | None = None,
-             rows: tuple[int, int] | None = None) -> torch.Tensor:
+             rows: tuple[int, int] | None = None, image_extra: torch.Tensor | None = None) -> torch.Tensor:
     """Symmetric InfoNCE of CLIP on [B, C] image-text similarities (C >= B: extra columns are extra texts, e.g. hard
-    negatives): ( CE(scale * sim, t) over texts + CE(scale * sim[:, :B].T, t) over images ) / 2, t = arange(B).
+    negatives): ( CE(scale * sim, t) over texts + CE(scale * [sim[:, :B].T | image_extra], t) over images ) / 2,
+    t = arange(B); `image_extra` [B captions, N]: each caption's similarity to N more images (e.g. counterfactual
+    scenes), extra columns of the text-to-image term.
 
     `rows` = (lo, hi): only the terms of images lo..hi-1 and captions lo..hi-1, as their share of the mean over B
     (the shares of disjoint row ranges sum to the whole loss: how ranks split it, vlmrl.reclip.parallel)."""
     b = sim.shape[0]
     targets = torch.arange(b, device=sim.device) if targets is None else targets
     logits = sim * scale
+    per_caption = logits[:, :b].t()
+    if image_extra is not None:
+        per_caption = torch.cat([per_caption, image_extra * scale], 1)
     if rows is None:
-        return 0.5 * (F.cross_entropy(logits, targets) + F.cross_entropy(logits[:, :b].t(), targets))
+        return 0.5 * (F.cross_entropy(logits, targets) + F.cross_entropy(per_caption, targets))
     lo, hi = rows
     t = targets[lo:hi]
     return 0.5 * (F.cross_entropy(logits[lo:hi], t, reduction="sum")
-                  + F.cross_entropy(logits[:, :b].t()[lo:hi], t, reduction="sum")) / b
+                  + F.cross_entropy(per_caption[lo:hi], t, reduction="sum")) / b
 
 
 def distill_kl(logp_student: torch.Tensor, logp_reference: torch.Tensor) -> torch.Tensor:

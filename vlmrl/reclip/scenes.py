@@ -129,6 +129,46 @@ def describe(objects: Sequence[dict[str, Any]]) -> Description:
     return Description(groups, relation_of(boxes[0], boxes[1])).canonical()
 
 
+_NUMBERS = {"a": 1, "an": 1, "one": 1, "two": 2, "three": 3}
+_NOUNS = {**{shape: (shape, 1) for shape in SHAPES}, **{PLURAL[shape]: (shape, 2) for shape in SHAPES}}
+_RELATIONS = {phrase: rel for rel, phrase in PHRASES.items()} | {rel: rel for rel in PHRASES}
+
+
+def _parse_group(words: list[str], colors: Sequence[str]) -> Group | None:
+    if len(words) != 3 or words[1] not in colors or words[2] not in _NOUNS:
+        return None
+    count = _NUMBERS.get(words[0], int(words[0]) if words[0].isdigit() else None)
+    shape, number = _NOUNS[words[2]]
+    if count is None or count < 1 or (count == 1) != (number == 1):
+        return None
+    return Group(count, words[1], shape)
+
+
+def parse_caption(text: str, colors: Sequence[str] = DEFAULT_COLORS) -> Description | None:
+    """The description a caption of these scenes states (the inverse of ``caption``: "two red circles to the left of
+    a blue square", "a green triangle and three red squares"), or None for text outside that grammar."""
+    words = text.strip().lower().rstrip(".").split()
+    for phrase, rel in sorted(_RELATIONS.items(), key=lambda kv: -len(kv[0])):
+        n = len(phrase.split())
+        for i in range(3, len(words) - 2):
+            if words[i:i + n] == phrase.split() and len(words) == i + n + 3:
+                a, b = _parse_group(words[:i], colors), _parse_group(words[i + n:], colors)
+                if a is None or b is None or (a.color, a.shape) == (b.color, b.shape):
+                    return None
+                return Description((a, b), rel)
+    parts = " ".join(words).split(" and ")
+    groups = [_parse_group(part.split(), colors) for part in parts]
+    if not groups or any(g is None for g in groups) or len({(g.color, g.shape) for g in groups}) != len(groups):
+        return None
+    return Description(tuple(groups), None)
+
+
+def scene_of(desc: Description, rng: random.Random, side: int = DEFAULT_SIDE) -> list[dict[str, Any]]:
+    """Objects that show what ``desc`` says, placed as ``make_scenes`` places them (``describe`` of them gives
+    ``desc`` back); DataError if they do not fit the canvas."""
+    return _place(rng, side, desc.canonical())
+
+
 # --- generation ------------------------------------------------------------------------------------------------------
 
 

@@ -9,12 +9,15 @@ side through the batch part of the pool.
 
 from __future__ import annotations
 
+import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from vlmrl.cache import BoundedLRU
+from vlmrl.data.sample import DataError
+from vlmrl.data.shapes import render_scene
 from vlmrl.reclip.config import JudgeConfig, RLConfig
 from vlmrl.reclip.counterfactual import gather
 from vlmrl.reclip.feedback import Feedback, compress, feedback_reward
@@ -30,7 +33,7 @@ from vlmrl.reclip.losses import (
     retrieval_logprobs,
 )
 from vlmrl.reclip.parallel import SINGLE, Parallel
-from vlmrl.reclip.scenes import CaptionItem, Description
+from vlmrl.reclip.scenes import CaptionItem, Description, parse_caption, scene_of
 from vlmrl.reclip.store import InputStore
 from vlmrl.reclip.students import TwoTower
 
@@ -272,9 +275,11 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
         if ctx.reference is not None and rl.kl_weight > 0:
             loss = loss + rl.kl_weight * _kl_to_reference(ctx, idx, texts, direction, s, tau, (lo, hi))
     if rl.anchor_weight > 0:
+        image_extra = None
         if rl.counterfactuals:  # the reasons, applied to each truth's caption: its own extra negative columns
-            sim = torch.cat([sim, _counterfactual_sims(ctx, idx, img, confusions, sums)], 1)
-        nce = info_nce(sim, scale, rows=(lo, hi))
+            text_cf, image_extra = _counterfactual_sims(ctx, idx, img, txt[:b], confusions, sums)
+            sim = torch.cat([sim, text_cf], 1)
+        nce = info_nce(sim, scale, rows=(lo, hi), image_extra=image_extra)
         loss = loss + rl.anchor_weight * nce
         sums["anchor_infonce"] = nce.item()
     grad_norm = _apply(ctx, loss, rl.max_grad_norm)
@@ -286,13 +291,16 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
     return metrics
 
 
-def _counterfactual_sims(ctx: StepContext, idx: list[int], img: torch.Tensor, confusions: list[list[Feedback]],
-                         sums: dict[str, float]) -> torch.Tensor:
-    """[B, M] similarities of the batch images with the M counterfactual captions of the step (each truth's caption
-    edited by the reasons of its likeliest misses, up to rl.counterfactuals per truth); a caption is a column of its
-    own truth's row only (elsewhere -1e4, far below any cosine: an edit of one caption may well describe another
-    batch image; not -inf, whose product with the scale's gradient would be NaN)."""
+def _counterfactual_sims(ctx: StepContext, idx: list[int], img: torch.Tensor, txt: torch.Tensor,
+                         confusions: list[list[Feedback]], sums: dict[str, float]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The step's counterfactuals as extra anchor columns: [B, M] similarities of the batch images with the M
+    counterfactual captions (each truth's caption edited by the reasons of its likeliest misses, up to
+    rl.counterfactuals per truth), and with rl.counterfactual_images, [B, N] similarities of the batch captions `txt`
+    with N new scenes drawn from the first of those captions (None without). A column belongs to its own truth's row
+    only (elsewhere -1e4, far below any cosine: an edit of one caption may well describe another batch item; not
+    -inf, whose product with the scale's gradient would be NaN)."""
     owners, texts, unrouted = [], [], 0
+    drawn: list[tuple[int, str]] = []  # (row, counterfactual caption) to draw as a scene
     for row, (item, feedbacks) in enumerate(zip(idx, confusions, strict=True)):
         if not feedbacks:  # another rank's query (or no judged miss)
             continue
@@ -300,14 +308,40 @@ def _counterfactual_sims(ctx: StepContext, idx: list[int], img: torch.Tensor, co
         owners += [row] * len(made)
         texts += made
         unrouted += missed
+        drawn += [(row, text) for text in made[:ctx.rl.counterfactual_images]]
     sums["counterfactual/captions"] = len(texts) / len(idx)  # this rank's share of the mean per truth
     sums["counterfactual/unrouted_reasons"] = unrouted
-    if not texts:
-        return img.new_zeros((len(idx), 0))
+    text_cols = img.new_zeros((len(idx), 0))
+    if texts:
+        with precision_context(ctx.student, ctx.precision):
+            cf = ctx.student.embed_texts(ctx.store.texts(texts)).float()
+        own = torch.tensor(owners)[None, :] == torch.arange(len(idx))[:, None]
+        text_cols = (img @ cf.T).masked_fill(~own, -1.0e4)
+    if not ctx.rl.counterfactual_images:
+        return text_cols, None
+    scenes = []  # (row, key, objects): the same key always draws the same scene
+    for row, text in drawn:
+        item = ctx.items[idx[row]]
+        desc, side = parse_caption(text), item.image.width
+        try:
+            objects = None if desc is None else scene_of(desc, random.Random(f"counterfactual|{item.id}|{text}"), side)
+        except DataError:  # does not fit the canvas
+            objects = None
+        if objects is not None:
+            scenes.append((row, f"{item.id}|{text}", side, objects))
+    sums["counterfactual/images"] = len(scenes) / len(idx)
+    sums["counterfactual/undrawn_captions"] = len(drawn) - len(scenes)
+    if not scenes:
+        return text_cols, txt.new_zeros((len(idx), 0))
+
+    def draw(side: int, objects: list[dict]):
+        return lambda: render_scene(side, objects)
+
+    made = ctx.store.rendered([(key, draw(side, objects)) for _, key, side, objects in scenes])
     with precision_context(ctx.student, ctx.precision):
-        cf = ctx.student.embed_texts(ctx.store.texts(texts)).float()
-    own = torch.tensor(owners)[None, :] == torch.arange(len(idx))[:, None]
-    return (img @ cf.T).masked_fill(~own, -1.0e4)
+        cf_img = ctx.student.embed_images(made).float()
+    own = torch.tensor([row for row, *_ in scenes])[None, :] == torch.arange(len(idx))[:, None]
+    return text_cols, (txt @ cf_img.T).masked_fill(~own, -1.0e4)
 
 
 def _kl_to_reference(ctx: StepContext, idx, texts, direction: str, s: torch.Tensor, tau,

@@ -8,12 +8,13 @@ students it is the processed pixels and token ids. Text rows of different length
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from vlmrl.cache import BoundedLRU
 from vlmrl.reclip.students import TwoTower
 
 
@@ -33,6 +34,9 @@ def _pad_rows(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     return out
 
 
+MADE_BYTES = 512 << 20  # made images' inputs kept, least recently used dropped first (a HF student's: ~0.6 MB each)
+
+
 class InputStore:
     """Memoised frozen inputs of one student for a list of images (by index) and any texts (by string)."""
 
@@ -40,6 +44,8 @@ class InputStore:
         self.student, self.source, self.chunk = student, list(images), chunk
         self._images: dict[int, torch.Tensor] = {}
         self._texts: dict[str, dict[str, torch.Tensor]] = {}
+        self._made: BoundedLRU[str, torch.Tensor] = BoundedLRU(MADE_BYTES, 1 << 20,
+                                                                lambda _, v: v.numel() * v.element_size())
 
     def images(self, indices: Sequence[int]) -> torch.Tensor:
         """Inputs of images `indices` of the source list, stacked [len(indices), ...]."""
@@ -50,6 +56,19 @@ class InputStore:
             values = self.student.image_inputs([self.source[i] for i in part])
             self._images.update(zip(part, values, strict=True))
         return torch.stack([self._images[i] for i in indices])
+
+    def rendered(self, images: Sequence[tuple[str, Callable[[], Image.Image]]]) -> torch.Tensor:
+        """Inputs of images made on demand (counterfactual scenes), stacked: each (key, make) is made and processed
+        once while its inputs stay in the bounded cache (a key must always make the same image)."""
+        found = {key: self._made.get(key) for key, _ in images}
+        missing = [key for key in dict.fromkeys(found) if found[key] is None]
+        makers = dict(images)
+        for start in range(0, len(missing), self.chunk):
+            part = missing[start:start + self.chunk]
+            for key, value in zip(part, self.student.image_inputs([makers[k]() for k in part]), strict=True):
+                found[key] = value
+                self._made.put(key, value)
+        return torch.stack([found[key] for key, _ in images])
 
     def texts(self, texts: Sequence[str]) -> dict[str, torch.Tensor]:
         """Inputs of `texts`, stacked; rows cached by string (a caption shared by items is computed once)."""
