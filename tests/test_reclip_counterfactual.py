@@ -242,3 +242,5 @@ def test_counterfactual_scenes_are_image_columns_of_their_own_caption_only():
     assert drawn["counterfactual/images"] > 0 and drawn["anchor_infonce"] > plain["anchor_infonce"]
     with pytest.raises(ConfigError, match="rl.counterfactual_images"):
         load_reclip_config(None, ["rl.counterfactuals=1", "rl.counterfactual_images=2"])
+    with pytest.raises(ConfigError, match="rl.counterfactual_images.*fsdp2"):
+        load_reclip_config(None, ["rl.counterfactual_images=1", "trainer.distributed=fsdp2"])
