@@ -170,7 +170,7 @@ RULES: tuple[Rule, ...] = (
          if c.trainer.distributed == "fsdp2" and c.rl.kl_weight > 0 else None),
     Rule(("trainer.distributed", "rl.counterfactual_images"), "`rl.counterfactual_images` under `ddp` or in one "
          "process, not `fsdp2`", lambda c: (
-             "rl.counterfactual_images: each rank draws the scenes of its own queries' confusions, as many as they "
+             "rl.counterfactual_images under trainer.distributed=fsdp2: each rank draws the scenes of its own queries' confusions, as many as they "
              "give (none, some steps), and a sharded image tower needs every rank in each of its forwards: use "
              "trainer.distributed=ddp, or rl.counterfactual_images=0")
          if c.trainer.distributed == "fsdp2" and c.rl.counterfactual_images else None),
