@@ -87,14 +87,30 @@ def _separable_pairs(tmp_path, n=48):
     return path
 
 
-def train_small_rm(tmp: Path, source: str, model_dir, steps: int, max_answer_tokens: int) -> dict:
+def train_small_rm(tmp: Path, source: str, model_dir, steps: int, max_answer_tokens: int, *extra: str) -> dict:
     """`vlmrl rm train` on `source` (data.pairs... or data.steps...) from the test model: a quarter of the prompts
     held out, batches of 8, lr 1e-3, one thread."""
     cfg = load_rm_config(None, [source, "data.heldout=0.25", f"data.max_answer_tokens={max_answer_tokens}",
                                 f"model.name_or_path={model_dir}", f"trainer.steps={steps}", "trainer.batch_size=8",
                                 "trainer.lr=1e-3", "trainer.eval_every=0", "trainer.threads=1",
-                                "trainer.tensorboard=false", f"trainer.output_dir={tmp / 'run'}"])
+                                "trainer.tensorboard=false", f"trainer.output_dir={tmp / 'run'}", *extra])
     return train_reward_model(cfg)
+
+
+def test_a_frozen_rm_trains_its_head_and_logprob_weight_only(tiny_model_dir, tmp_path):
+    """model.freeze=true with model.logprob_term=true: after training, every VLM weight is the start's, the head and
+    the term's weight moved, and the saved folder scores with them."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    out = train_small_rm(tmp_path, f"data.pairs.path={_separable_pairs(tmp_path)}", tiny_model_dir, 5, 16,
+                         "model.freeze=true", "model.logprob_term=true", "trainer.lr=1e-1")
+    start = AutoModelForImageTextToText.from_pretrained(tiny_model_dir).state_dict()
+    trained = AutoModelForImageTextToText.from_pretrained(out["checkpoint"]).state_dict()
+    assert all(torch.equal(start[k], trained[k]) for k in start)
+    head = load_file(Path(out["checkpoint"]) / "reward_head.safetensors")
+    assert head["weight"].abs().sum() > 0 and head["logprob_weight"].item() != 1.0
+    assert RewardModel.from_pretrained(out["checkpoint"]).logprob_weight.item() == head["logprob_weight"].item()
 
 
 @pytest.fixture(scope="module")

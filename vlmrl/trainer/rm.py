@@ -56,6 +56,9 @@ class RMModelConfig:
     # score = head(h) + a x log p(the scored tokens) under the VLM's own language model (an outcome RM: the answer's
     # tokens; a PRM: the step's), a learned from 1: what the model would not have written is suspect
     logprob_term: bool = False
+    # train the head (and the log-prob term's weight) only, the VLM frozen: the model's own knowledge, reweighed,
+    # not rewritten by a few thousand noisy labels; also a fraction of the memory and time per step
+    freeze: bool = False
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -254,6 +257,9 @@ def build_model(cfg: RMConfig, run_dir: Path, template: str) -> RewardModel:
         name = build_tiny_vlm(run_dir / "base_model", vocabulary_texts(d.seed), m.tiny, seed=cfg.trainer.seed)
     policy = load_policy(name, m.dtype, m.device, autocast=m.autocast)
     process = vars(cfg.process) if d.steps is not None else None
+    if m.freeze:
+        for p in policy.model.parameters():
+            p.requires_grad_(False)
     return RewardModel.on(policy, template, d.max_prompt_length, d.max_answer_tokens, process, m.logprob_term)
 
 
