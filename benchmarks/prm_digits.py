@@ -57,9 +57,10 @@ def write_data(out: Path, args, seed: int) -> dict[str, Path]:
     files = {}
     for part, n, split, data_seed in (("sft", args.sft, "train", 1000 + seed), ("label", args.label, "train", seed),
                                       ("test", args.test, "test", seed)):
-        rows = make_task("digits_sum", n, split, seed=data_seed)
+        rows = make_task("digits_sum", n, split, seed=data_seed, num_digits=tuple(args.num_digits),
+                         style=args.style)
         for r in rows:
-            r["steps"] = "\n".join(str(d) for d in r["digits"])
+            r["steps"] = "\n".join(gold_steps(r["digits"], args.format))
         files[part] = write_rows(rows, out / f"{part}.jsonl")
     return files
 
@@ -84,14 +85,40 @@ def pairs_file(steps_file: Path, out: Path, seed: int) -> tuple[Path, int, int]:
     return out, len(pairs), len({p["group"] for p in pairs})
 
 
-def true_step_labels(completion: str, digits: list[int]) -> list[float]:
+def gold_steps(digits: list[int], fmt: str = "lines") -> list[str]:
+    """The right reasoning lines: one digit each ("lines"), or the first digit and then the running sum, one addition
+    a line ("running": 5, 5+4=9, 9+3=12)."""
+    if fmt == "lines":
+        return [str(d) for d in digits]
+    lines, total = [str(digits[0])], digits[0]
+    for d in digits[1:]:
+        lines.append(f"{total}+{d}={total + d}")
+        total += d
+    return lines
+
+
+def true_step_labels(completion: str, digits: list[int], fmt: str = "lines") -> list[float]:
+    """Each reasoning step of `completion` is right (1.0) when it is the right line at its place, else 0.0 (a line
+    past the last digit is wrong). In the running format a right line carries the right running sum, so a line
+    after a wrong sum is wrong too (as a Math-Shepherd label would have it)."""
     from vlmrl.rewards.reasoning import step_spans
 
+    gold = gold_steps(digits, fmt)
     steps = [completion[a:b] for a, b in step_spans(completion)]
-    return [float(k < len(digits) and s == str(digits[k])) for k, s in enumerate(steps)]
+    return [float(k < len(gold) and s == gold[k]) for k, s in enumerate(steps)]
 
 
-def evaluate(policy_dir: Path, prm_dir: Path, orm_dir: Path, test_file: Path, args, seed: int) -> dict:
+def gold_steps_file(steps_file: Path, out: Path, fmt: str) -> Path:
+    """The same labelled answers with each step's true correctness as its label (`true_step_labels`): what a PRM
+    learns when its labels are perfect, the ceiling of automatic labels on these answers."""
+    rows = [json.loads(line) for line in steps_file.read_text().splitlines()]
+    out.write_text("".join(json.dumps({**r, "labels": true_step_labels(r["completion"], r["digits"], fmt)}) + "\n"
+                           for r in rows))
+    return out
+
+
+def evaluate(policy_dir: Path, prm_dir: Path, orm_dir: Path, test_file: Path, args, seed: int,
+             gold_dir: Path | None = None) -> dict:
     import torch
 
     from vlmrl.data import build_dataset
@@ -119,16 +146,19 @@ def evaluate(policy_dir: Path, prm_dir: Path, orm_dir: Path, test_file: Path, ar
     columns["completion_truncated"] = [tr for _, _, tr in flat]
     texts = [t for _, t, _ in flat]
     scores = {"orm": [None] * len(texts)}  # no ORM (too few pairs to train one): it picks nothing
-    for name, folder in (("prm", prm_dir), ("orm", orm_dir)):
+    for name, folder in (("prm", prm_dir), ("orm", orm_dir), ("prm_gold", gold_dir)):
         if folder is not None:
             out = compute_rewards([RewardSpec("reward_model", kwargs={"path": str(folder)})], texts, columns)
             scores[name] = out.components["reward_model"]
     n = args.n
-    per_prompt = {"prm": [], "prm_vote": [], "orm": [], "majority": [], "single": [], "pass": []}
+    per_prompt = {"prm": [], "prm_vote": [], "orm": [], "majority": [], "single": [], "pass": [],
+                  **({"prm_gold": []} if gold_dir is not None else {})}
     for p in range(len(samples)):
         ok = right[p * n:(p + 1) * n]
         per_prompt["prm"].append(best_of_n(scores["prm"][p * n:(p + 1) * n], ok))
         per_prompt["orm"].append(best_of_n(scores["orm"][p * n:(p + 1) * n], ok))
+        if gold_dir is not None:
+            per_prompt["prm_gold"].append(best_of_n(scores["prm_gold"][p * n:(p + 1) * n], ok))
         keys = [answer_key(t, tr, "number") for _, t, tr in flat[p * n:(p + 1) * n]]
         per_prompt["majority"].append(majority_vote(keys, ok))
         per_prompt["prm_vote"].append(weighted_vote(keys, scores["prm"][p * n:(p + 1) * n], ok))
@@ -139,19 +169,20 @@ def evaluate(policy_dir: Path, prm_dir: Path, orm_dir: Path, test_file: Path, ar
         groups = values if name == "single" else [[v] for v in values]
         mean = sum(sum(g) / len(g) for g in groups) / len(groups)
         table[name] = (mean, *accuracy_interval(groups))
-    for a, b in (("prm", "majority"), ("prm", "orm"), ("prm_vote", "majority")):
+    for a, b in (("prm", "majority"), ("prm", "orm"), ("prm_vote", "majority"),
+                 *((("prm_gold", "majority"),) if gold_dir is not None else ())):
         diff = [float(x) - float(y) for x, y in zip(per_prompt[a], per_prompt[b], strict=True)]
         table[f"{a}_minus_{b}"] = (sum(diff) / len(diff), *bootstrap_interval(diff))
     # step level: the PRM's probability of each step against the step's true correctness
     prm = RewardModel.from_pretrained(resolve_model(prm_dir, "the PRM"))
     prm.train(False)
-    rows = [{**s, "completion": t} for s, t, _ in flat if true_step_labels(t, s["digits"])]
+    rows = [{**s, "completion": t} for s, t, _ in flat if true_step_labels(t, s["digits"], args.format)]
     probs, gold = [], []
     with torch.no_grad():
         for start in range(0, len(rows), 32):
             chunk = rows[start:start + 32]
             probs += torch.sigmoid(torch.cat(row_logits(prm, chunk))).tolist()
-            gold += [v for r in chunk for v in true_step_labels(r["completion"], r["digits"])]
+            gold += [v for r in chunk for v in true_step_labels(r["completion"], r["digits"], args.format)]
     return {"selection": table, "steps": step_classification(probs, gold), "answers": len(flat),
             "prompts": len(samples)}
 
@@ -177,7 +208,8 @@ def run_seed(seed: int, args, out_root: Path) -> dict:
     labelled = [json.loads(line) for line in steps_file.read_text().splitlines()]
     pairs, n_pairs, pair_prompts = pairs_file(steps_file, out / "labels" / "pairs.jsonl", seed)
     common = [f"model.name_or_path={checkpoint}", f"trainer.steps={args.rm_steps}", "trainer.eval_every=0",
-              "data.max_answer_tokens=64", f"trainer.seed={seed}", f"data.seed={seed}", threads]
+              "data.max_answer_tokens=64", f"trainer.seed={seed}", f"data.seed={seed}", threads,
+              f"model.logprob_term={str(args.logprob_term).lower()}"]
     vlmrl("rm", "train", f"data.steps.path={steps_file}", *common, f"trainer.output_dir={out / 'prm'}",
           log=out / "prm.log")
     orm = out / "orm" if pair_prompts >= 2 else None  # a held-out share of the prompts needs two
@@ -186,7 +218,12 @@ def run_seed(seed: int, args, out_root: Path) -> dict:
               "picks nothing", flush=True)
     else:
         vlmrl("rm", "train", f"data.pairs.path={pairs}", *common, f"trainer.output_dir={orm}", log=out / "orm.log")
-    result = evaluate(checkpoint, out / "prm", orm, files["test"], args, seed)
+    gold = None
+    if args.gold_prm:
+        gold = out / "prm_gold"
+        vlmrl("rm", "train", f"data.steps.path={gold_steps_file(steps_file, out / 'labels' / 'gold.jsonl', args.format)}",
+              *common, f"trainer.output_dir={gold}", log=out / "prm_gold.log")
+    result = evaluate(checkpoint, out / "prm", orm, files["test"], args, seed, gold)
     result.update(seed=seed, labelled_answers=len(labelled), labelled_steps=sum(len(r["labels"]) for r in labelled),
                   labelled_right=sum(r["correct"] for r in labelled), orm_pairs=n_pairs,
                   prm_heldout=json.loads((sorted((out / "prm").glob("checkpoint-*"))[-1] / "reward_model.json")
@@ -203,10 +240,14 @@ def table(result: dict, n: int) -> str:
              ("orm", f"best-of-{n} by the outcome RM"), ("prm", f"best-of-{n} by the PRM (min over steps)"),
              ("prm_vote", f"majority vote weighted by the PRM over {n}"), ("pass", f"pass@{n} (an oracle picks)"),
              ("prm_minus_majority", "PRM - majority (paired)"), ("prm_minus_orm", "PRM - ORM (paired)"),
-             ("prm_vote_minus_majority", "PRM-weighted vote - majority (paired)")]
+             ("prm_vote_minus_majority", "PRM-weighted vote - majority (paired)"),
+             ("prm_gold", f"best-of-{n} by a PRM on true step labels"),
+             ("prm_gold_minus_majority", "true-label PRM - majority (paired)")]
     lines = [f"seed {result['seed']}: {result['prompts']} held-out prompts, {result['answers']} answers", "",
              "| selection | held-out accuracy [95% interval] |", "|---|---|"]
     for key, label in names:
+        if key not in sel:
+            continue
         v, lo, hi = sel[key]
         sign = "+" if "minus" in key else ""
         lines.append(f"| {label} | {100 * v:{sign}.1f} [{100 * lo:{sign}.1f}, {100 * hi:{sign}.1f}] |")
@@ -225,11 +266,21 @@ def main() -> None:
     p.add_argument("--sft", type=int, default=2000, help="labelled rows for the policy's SFT")
     p.add_argument("--sft-steps", type=int, default=1500)
     p.add_argument("--label", type=int, default=2000, help="training prompts whose answers get step labels")
+    p.add_argument("--num-digits", type=int, nargs=2, default=[2, 3], metavar=("LOW", "HIGH"),
+                   help="digits per image (the task's num_digits): more digits, longer chains, fewer repeated sums")
+    p.add_argument("--style", choices=["handwritten", "printed"], default="handwritten",
+                   help="the task's digits: handwritten (reading is the hard part) or printed (the adding is)")
+    p.add_argument("--format", choices=["lines", "running"], default="lines",
+                   help="reasoning lines: one digit each, or a running sum (5, 5+4=9, 9+3=12)")
     p.add_argument("--answers", type=int, default=4, help="answers per labelled prompt")
     p.add_argument("--continuations", type=int, default=8)
     p.add_argument("--rm-steps", type=int, default=500)
     p.add_argument("--soft", action="store_true", help="soft step labels (the share of right continuations); "
                    "default: hard (whether any is right), Math-Shepherd's main setting")
+    p.add_argument("--gold-prm", action="store_true", help="also a PRM on the same answers' true step labels "
+                   "(the ceiling of automatic labels)")
+    p.add_argument("--logprob-term", action="store_true", help="every RM (PRM, outcome RM, true-label PRM) with "
+                   "model.logprob_term: its own language model's log-prob of what it scores as one more feature")
     p.add_argument("--test", type=int, default=300, help="held-out prompts")
     p.add_argument("--n", type=int, default=8, help="answers per held-out prompt (best-of-n)")
     p.add_argument("--max-new-tokens", type=int, default=20)

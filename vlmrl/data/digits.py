@@ -6,8 +6,9 @@ fixed permutation into a train pool (80%) and a held-out pool (20%). Train sampl
 ood samples only the held-out pool, so test handwriting is never seen in training. Each digit is upscaled 3x to
 24 px (nearest neighbour), drawn dark on light, and placed in its own 28-px column of a 56-px-high canvas with a
 little random jitter; the canvas is 28 px per digit wide (56 px at least). Printed digits are drawn in the font
-Pillow bundles (Aileron, 24 px, bold) with the same jitter: nearly always read right, so that what a task built on them
-tests is the reasoning after the reading (the sum of many digits, step by step).
+Pillow bundles (Aileron, 24 px, bold) with the same jitter: one glyph per digit, so that the reading can be made
+easy (the embedded model still reads them only partly after 1,500 SFT steps) and the sum of many digits, step by
+step, is the task's hard part.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ def digits_sum(n: int, split: str, seed: int = 0, **options: Any) -> list[Sample
     """ "What is the sum of the digits?" over 2-3 handwritten digits -> ``"13"`` (answer_type number).
 
     Options: ``num_digits`` (int or [min, max], default [2, 3]); ``style`` ("handwritten", default, or "printed":
-    the digits in a font, so the reading is easy and the adding is the task). ood uses one digit more than the
+    the digits in a font: one glyph per digit, no handwriting to learn). ood uses one digit more than the
     maximum (4 by default), handwritten ones from the held-out pool. Samples carry ``digits`` (labels), ``width``
     and ``height``, handwritten ones ``digit_indices`` (into load_digits).
     """
