@@ -251,3 +251,6 @@ def test_the_logprob_term_is_the_models_own_logprob_of_what_it_scores(tiny_model
         assert again[n].tolist() == pytest.approx([0.25 + 0.5 * token_lp[n, a:b + 1].sum().item() for a, b in row],
                                                   abs=1e-4)
     assert RewardModel.on(policy).logprob_weight is None  # off unless asked: the head alone, as before
+    with torch.no_grad():  # an answer without steps, batched with one that has them: no score, no error
+        mixed = text_step_logits(loaded, loaded.prompts(samples), torch.arange(2), ["<answer>4</answer>", texts[0]])
+    assert len(mixed[0]) == 0 and len(mixed[1]) == 2

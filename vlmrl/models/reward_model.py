@@ -163,7 +163,7 @@ class RewardModel:
         return self.info.get("kind", "outcome")
 
     def parameters(self) -> list[nn.Parameter]:
-        """What training updates: the VLM's trainable weights and the head."""
+        """What training updates: the VLM's trainable weights, the head and the log-prob term's weight."""
         return [p for p in self.policy.model.parameters() if p.requires_grad] + list(self.head.parameters()) + (
             [self.logprob_weight] if self.logprob_weight is not None else [])
 
@@ -207,8 +207,8 @@ class RewardModel:
         if self.logprob_weight is None:
             return out
         logp = token_logprobs(family, hidden, ids)
-        return [x + self.logprob_weight * torch.stack([logp[n, a:b + 1].sum() for a, b in steps[n]])
-                for n, x in enumerate(out)]
+        return [x + self.logprob_weight * torch.stack([logp[n, a:b + 1].sum() for a, b in steps[n]]) if steps[n]
+                else x for n, x in enumerate(out)]  # (an answer without steps: none to score)
 
     def save_head(self, path: str | Path, extra: dict | None = None) -> None:
         """Write reward_model.json (with `extra` merged in, e.g. the held-out accuracy) and the head's weights."""
