@@ -244,3 +244,24 @@ def test_counterfactual_scenes_are_image_columns_of_their_own_caption_only():
         load_reclip_config(None, ["rl.counterfactuals=1", "rl.counterfactual_images=2"])
     with pytest.raises(ConfigError, match="rl.counterfactual_images.*fsdp2"):
         load_reclip_config(None, ["rl.counterfactual_images=1", "trainer.distributed=fsdp2"])
+
+
+def test_a_sharded_rank_without_counterfactuals_still_runs_the_text_tower_once(monkeypatch):
+    """Under fsdp2 every rank must run each sharded forward: a rank whose queries gave no routed reasons this step
+    embeds one placeholder caption that no row owns (masked: the columns and their gradients are what they would be
+    without it); one process, and ddp, skip the tower."""
+    from types import SimpleNamespace
+
+    ctx = tiny_ctx(4, counterfactuals=2)
+    calls = []
+    embed = ctx.student.embed_texts
+    monkeypatch.setattr(ctx.student, "embed_texts", lambda inputs: calls.append(1) or embed(inputs))
+    img = torch.nn.functional.normalize(torch.randn(4, 16), dim=-1).requires_grad_()
+    sims, _ = _counterfactual_sims(ctx, [0, 1, 2, 3], img, img, [[] for _ in range(4)], {})
+    assert calls == [] and sims.shape == (4, 0)
+    ctx.par = SimpleNamespace(sharded=True)
+    metrics = {}
+    sims, _ = _counterfactual_sims(ctx, [0, 1, 2, 3], img, img, [[] for _ in range(4)], metrics)
+    assert calls == [1] and sims.shape == (4, 1) and (sims <= -1e4).all() and metrics["counterfactual/captions"] == 0
+    sims.sum().backward()
+    assert img.grad.abs().sum() == 0  # masked everywhere: no gradient reaches the embeddings

@@ -312,6 +312,8 @@ def _counterfactual_sims(ctx: StepContext, idx: list[int], img: torch.Tensor, tx
     sums["counterfactual/captions"] = len(texts) / len(idx)  # this rank's share of the mean per truth
     sums["counterfactual/unrouted_reasons"] = unrouted
     text_cols = img.new_zeros((len(idx), 0))
+    if not texts and ctx.par.sharded:  # a sharded tower's forward needs every rank: a column no row owns (masked,
+        texts, owners = [ctx.items[idx[0]].caption], [-1]  # so it changes neither the loss nor any gradient)
     if texts:
         with precision_context(ctx.student, ctx.precision):
             cf = ctx.student.embed_texts(ctx.store.texts(texts)).float()
