@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from vlmrl.errors import PathError
 from vlmrl.models.batch import PromptBatch, PromptEmbeds
+from vlmrl.models.forward import head_chunk_tokens, token_scores
 from vlmrl.models.policy import Policy, load_policy
 
 REWARD_MODEL_FILE = "reward_model.json"
@@ -93,15 +94,13 @@ def step_token_ends(policy: Policy, texts: list[str], spans: list[list[tuple[int
     return [[last for _, last in row] for row in step_token_spans(policy, texts, spans)]
 
 
-def token_logprobs(family, hidden: Tensor, ids: Tensor) -> Tensor:
-    """[N, T] log-probabilities (temperature 1) of answer tokens `ids` [N, T] under the model's own language-model
-    head, from `answer_hidden`'s [N, T + 1, H] (column k predicts answer token k); one row at a time, so the
-    vocabulary-wide logits of only one answer are held at once."""
-    rows = []
-    for n in range(len(ids)):
-        logits = family.lm_head(hidden[n, :-1]).float()
-        rows.append(logits.log_softmax(-1).gather(-1, ids[n].to(logits.device)[:, None]).squeeze(-1))
-    return torch.stack(rows)
+def answer_logprobs(family, hidden: Tensor, ids: Tensor, mask: Tensor) -> Tensor:
+    """[N, T] log-probabilities (temperature 1, 0 on padding) of answer tokens `ids` under the model's own
+    language-model head, from `answer_hidden`'s [N, T + 1, H] (column k predicts answer token k): the training
+    forward's `token_scores`, its logits in chunks."""
+    device = hidden.device
+    return token_scores(family.lm_head, hidden[:, :-1], ids.to(device), mask.to(device),
+                        chunk_tokens=head_chunk_tokens(family))[0]
 
 
 AGGREGATES = ("min", "product", "last", "mean")
@@ -189,8 +188,7 @@ class RewardModel:
         scores = self.head(last.float()).squeeze(-1)
         if self.logprob_weight is None:
             return scores
-        logp = token_logprobs(family, hidden, ids) * mask.to(hidden.device)
-        return scores + self.logprob_weight * logp.sum(-1)
+        return scores + self.logprob_weight * answer_logprobs(family, hidden, ids, mask).sum(-1)
 
     def step_logits(self, prompts: PromptBatch, rows: Tensor, ids: Tensor, mask: Tensor,
                     steps: list[list[tuple[int, int]]]) -> list[Tensor]:
@@ -206,7 +204,7 @@ class RewardModel:
                for n, e in enumerate(steps)]
         if self.logprob_weight is None:
             return out
-        logp = token_logprobs(family, hidden, ids)
+        logp = answer_logprobs(family, hidden, ids, mask)
         return [x + self.logprob_weight * torch.stack([logp[n, a:b + 1].sum() for a, b in steps[n]]) if steps[n]
                 else x for n, x in enumerate(out)]  # (an answer without steps: none to score)
 

@@ -147,18 +147,16 @@ def _parse_group(words: list[str], colors: Sequence[str]) -> Group | None:
 def parse_caption(text: str, colors: Sequence[str] = DEFAULT_COLORS) -> Description | None:
     """The description a caption of these scenes states (the inverse of ``caption``: "two red circles to the left of
     a blue square", "a green triangle and three red squares"), or None for text outside that grammar."""
-    words = text.strip().lower().rstrip(".").split()
-    for phrase, rel in sorted(_RELATIONS.items(), key=lambda kv: -len(kv[0])):
-        n = len(phrase.split())
-        for i in range(3, len(words) - 2):
-            if words[i:i + n] == phrase.split() and len(words) == i + n + 3:
-                a, b = _parse_group(words[:i], colors), _parse_group(words[i + n:], colors)
-                if a is None or b is None or (a.color, a.shape) == (b.color, b.shape):
-                    return None
-                return Description((a, b), rel)
-    parts = " ".join(words).split(" and ")
-    groups = [_parse_group(part.split(), colors) for part in parts]
-    if not groups or any(g is None for g in groups) or len({(g.color, g.shape) for g in groups}) != len(groups):
+    text = " ".join(text.strip().lower().rstrip(".").split())
+    for phrase, rel in sorted(_RELATIONS.items(), key=lambda kv: -len(kv[0])):  # "to the left of" before "left of"
+        left, found, right = text.partition(f" {phrase} ")
+        if found:
+            a, b = _parse_group(left.split(), colors), _parse_group(right.split(), colors)
+            if a is None or b is None or (a.color, a.shape) == (b.color, b.shape):
+                return None
+            return Description((a, b), rel)
+    groups = [_parse_group(part.split(), colors) for part in text.split(" and ")]
+    if any(g is None for g in groups) or len({(g.color, g.shape) for g in groups}) != len(groups):
         return None
     return Description(tuple(groups), None)
 
