@@ -145,6 +145,34 @@ def test_prm_learns_visible_step_labels_and_scores_answers_by_their_weakest_step
     assert out.failures["reward_model"] == 1 and "no reasoning steps" in out.errors["reward_model"]
 
 
+@pytest.mark.parametrize("coef", [1.0, 0.0])
+def test_a_distilled_prm_follows_its_teacher_not_the_labels(trained_prm, tiny_model_dir, tmp_path, coef):
+    """A process teacher (trained on the true step labels) teaches a PRM on the same answers with every label
+    flipped: with distill.coef = 1 the student calls each held-out step as the teacher does (so it disagrees with the
+    flipped labels), with coef = 0 it learns the flipped labels: the per-step KL is what teaches."""
+    from tests.test_reward_model import train_small_rm
+
+    rows = [json.loads(line) for line in _visible_step_file(tmp_path).read_text().splitlines()]
+    flipped = tmp_path / "flipped.jsonl"
+    flipped.write_text("".join(json.dumps({**r, "labels": [1.0 - v for v in r["labels"]]}) + "\n" for r in rows))
+    final = train_small_rm(tmp_path, f"data.steps.path={flipped}", tiny_model_dir, 40, 24,
+                           f"distill.teacher={trained_prm['run_dir']}", f"distill.coef={coef}")["final"]
+    assert final["teacher_step_accuracy"] <= 0.1, final  # the teacher disagrees with the flipped labels
+    if coef == 1.0:
+        assert final["teacher_agreement"] >= 0.9 and final["step_accuracy"] <= 0.1, final
+    else:
+        assert final["teacher_agreement"] <= 0.1 and final["step_accuracy"] >= 0.9, final
+
+
+def test_a_teacher_splitting_steps_otherwise_is_refused(trained_prm, tmp_path):
+    from vlmrl.trainer.rm import train_reward_model
+
+    cfg = load_rm_config(None, [f"data.steps.path={_visible_step_file(tmp_path)}", "process.split=sentences",
+                                f"distill.teacher={trained_prm['run_dir']}", f"trainer.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(DataError, match="splits answers into steps by .*'lines'.* this PRM by .*'sentences'"):
+        train_reward_model(cfg)
+
+
 def test_step_rows_are_checked_against_their_steps():
     rows = [{"id": "a", "completion": "<think>x\ny</think><answer>1</answer>", "labels": [1, 0]},
             {"id": "b", "completion": "<think>x\ny</think><answer>1</answer>", "labels": [1]},

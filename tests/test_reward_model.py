@@ -14,7 +14,7 @@ from PIL import Image
 from tests.conftest import TEST_MODEL
 from vlmrl.algorithms.losses import bradley_terry_loss
 from vlmrl.data import make_task, vocabulary_texts
-from vlmrl.errors import ConfigError
+from vlmrl.errors import ConfigError, DataError
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.reward_model import REWARD_MODEL_FILE, RewardModel
 from vlmrl.rewards import RewardSpec, compute_rewards
@@ -323,9 +323,15 @@ def test_a_distilled_rm_follows_its_teacher_not_the_labels(trained_rm, tiny_mode
         assert final["teacher_agreement"] <= 0.1 and final["pairwise_accuracy"] >= 0.9, final
 
 
-def test_a_teacher_is_for_outcome_rms_only():
-    with pytest.raises(ConfigError, match="distill.teacher"):
-        load_rm_config(None, ["data.steps.path=x.jsonl", "distill.teacher=runs/rm"])
+def test_a_teacher_of_the_other_kind_is_refused_before_a_run_directory(trained_rm, tmp_path):
+    from tests.test_process_reward_model import _visible_step_file
+
+    steps = _visible_step_file(tmp_path)
+    cfg = load_rm_config(None, [f"data.steps.path={steps}", f"distill.teacher={trained_rm['run_dir']}",
+                                f"trainer.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(DataError, match="an outcome reward model; training a process RM needs a process teacher"):
+        train_reward_model(cfg)
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow  # ~1 min: two runs of 2 RL steps, one under torchrun x2

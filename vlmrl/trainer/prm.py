@@ -82,8 +82,11 @@ def step_classification(probabilities: list[float], labels: list[float]) -> dict
 
 
 @torch.no_grad()
-def evaluate_steps(rm: RewardModel, rows: list[dict], batch_size: int = 16) -> dict[str, float]:
-    """The PRM on step-labelled rows: its loss, and `step_classification` of all their steps."""
+def evaluate_steps(rm: RewardModel, rows: list[dict], batch_size: int = 16,
+                   teacher: Tensor | None = None) -> dict[str, float]:
+    """The PRM on step-labelled rows: its loss, and `step_classification` of all their steps; with `teacher` (a
+    distillation teacher's logit of every step, in order), how often the two call a step the same way
+    (`teacher_agreement`) and the teacher's own step accuracy against the labels."""
     rm.train(False)
     probabilities, labels, losses = [], [], []
     for start in range(0, len(rows), batch_size):
@@ -93,4 +96,9 @@ def evaluate_steps(rm: RewardModel, rows: list[dict], batch_size: int = 16) -> d
         losses.append(process_loss(logits, chunk_labels).item() * sum(map(len, chunk_labels)))
         probabilities += torch.sigmoid(torch.cat(logits)).tolist()
         labels += [v for row in chunk_labels for v in row]
-    return {"loss": sum(losses) / len(labels), **step_classification(probabilities, labels)}
+    out = {"loss": sum(losses) / len(labels), **step_classification(probabilities, labels)}
+    if teacher is not None:
+        ours, theirs = torch.tensor(probabilities) >= 0.5, torch.sigmoid(teacher.float()) >= 0.5
+        out["teacher_agreement"] = float((ours == theirs).float().mean())
+        out["teacher_step_accuracy"] = float((theirs == (torch.tensor(labels) >= 0.5)).float().mean())
+    return out

@@ -91,12 +91,13 @@ class RMProcessConfig:
 
 @section
 class RMDistillConfig:
-    # reward-model distillation: a trained outcome RM (a run directory or checkpoint; any tokenizer: it scores the
-    # same texts with its own) teaches this one its preference on every training pair, through the KL between the two
-    # Bradley-Terry preferences (algorithms.losses.preference_kl); null = labels only
+    # reward-model distillation: a trained RM of the same kind (a run directory or checkpoint; any tokenizer: it
+    # scores the same texts with its own) teaches this one. An outcome RM learns its preference on every training
+    # pair, a process RM its probability of every step being right, through the KL between the two Bernoulli
+    # distributions (algorithms.losses.preference_kl); null = labels only
     teacher: str | None = None
-    coef: Annotated[float, Ge(0), Le(1)] = 1.0  # L = (1 - coef) x Bradley-Terry on the pairs' labels + coef x KL(teacher || student)
-    temperature: Positive = 1.0  # > 1 softens the teacher's preferences
+    coef: Annotated[float, Ge(0), Le(1)] = 1.0  # L = (1 - coef) x the labels' loss + coef x KL(teacher || student)
+    temperature: Positive = 1.0  # > 1 softens the teacher (its margin or step logit divided by it)
 
 
 @section
@@ -130,14 +131,7 @@ def _one_source(c: RMConfig) -> str | None:
     return None
 
 
-def _distill_outcome(c: RMConfig) -> str | None:
-    if c.distill.teacher is not None and c.data.steps is not None:
-        return "distill.teacher distils an outcome RM on preference pairs; a process RM (data.steps) has none"
-    return None
-
-
-RULES = [Rule(("data.pairs", "data.rollouts", "data.steps"), "exactly one of them", _one_source),
-         Rule(("distill.teacher",), "an outcome RM's teacher", _distill_outcome)]
+RULES = [Rule(("data.pairs", "data.rollouts", "data.steps"), "exactly one of them", _one_source)]
 
 
 def load_rm_config(path: str | Path | None = None, overrides: list[str] = ()) -> RMConfig:
@@ -198,16 +192,27 @@ def pair_scores(rm: RewardModel, pairs: list[dict]) -> tuple[torch.Tensor, torch
     return scores[:len(pairs)], scores[len(pairs):]
 
 
-def load_teacher(path: str | None) -> RewardModel | None:
-    """The distillation teacher (frozen), from a run directory (its newest checkpoint) or a checkpoint folder."""
+def load_teacher(path: str | None, process: dict | None = None) -> RewardModel | None:
+    """The distillation teacher (frozen), from a run directory (its newest checkpoint) or a checkpoint folder: an
+    outcome RM for an outcome RM; for a process RM (`process`: its split and think_tag) a process RM that splits
+    answers into the same steps."""
     if path is None:
         return None
     from vlmrl.models.preflight import resolve_model
 
     teacher = RewardModel.from_pretrained(resolve_model(path, "distill.teacher"))
-    if teacher.kind != "outcome":
-        raise DataError(f"distill.teacher {path}: a {teacher.kind} reward model; the teacher must be an outcome RM "
-                        "(it ranks the pairs)")
+    kind = "outcome" if process is None else "process"
+    if teacher.kind != kind:
+        article = {"outcome": "an", "process": "a"}
+        raise DataError(f"distill.teacher {path}: {article[teacher.kind]} {teacher.kind} reward model; training "
+                        f"{article[kind]} {kind} RM needs {article[kind]} {kind} teacher "
+                        f"({'it ranks the pairs' if process is None else 'it scores every step'})")
+    if process is not None:
+        theirs = {k: teacher.info["process"][k] for k in ("split", "think_tag")}
+        ours = {k: process[k] for k in ("split", "think_tag")}
+        if theirs != ours:
+            raise DataError(f"distill.teacher {path} splits answers into steps by {theirs}, this PRM by {ours}: the "
+                            "steps would not be the same; set process.split and process.think_tag to the teacher's")
     for p in teacher.parameters():
         p.requires_grad_(False)
     return teacher.train(False)
@@ -221,6 +226,13 @@ def teacher_margins(teacher: RewardModel, pairs: list[dict], batch_size: int) ->
         chosen, rejected = pair_scores(teacher, pairs[start:start + batch_size])
         parts.append(chosen - rejected)
     return torch.cat(parts)
+
+
+@torch.no_grad()
+def teacher_step_logits(teacher: RewardModel, rows: list[dict], batch_size: int) -> torch.Tensor:
+    """A process teacher's logit of every step of `rows` (rows in order, steps in order), scored in chunks."""
+    return torch.cat([torch.cat(row_logits(teacher, rows[start:start + batch_size]))
+                      for start in range(0, len(rows), batch_size)])
 
 
 @torch.no_grad()
@@ -293,13 +305,15 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
     train_pairs, held = split_by_prompt(pairs, cfg.data.heldout, cfg.data.seed)
     for note in notes:
         progress.message(note)
+    teacher = load_teacher(cfg.distill.teacher, vars(cfg.process) if process else None)
     run_dir, _ = claim_run_dir(t.output_dir)
     rm = build_model(cfg, run_dir, template)
     check_answer_lengths(rm, pairs)
     logger = MetricsLogger(run_dir, t.tensorboard)
     logger.log({"pairs": len(pairs), "train_pairs": len(train_pairs), "heldout_pairs": len(held)}, 0, "data")
-    teacher = load_teacher(cfg.distill.teacher)
-    held_teacher = teacher_margins(teacher, held, t.batch_size) if teacher is not None and held else None
+    held_teacher = None
+    if teacher is not None and held:
+        held_teacher = (teacher_step_logits if process else teacher_margins)(teacher, held, t.batch_size)
     optimizer = adamw(rm.parameters(), t.lr, t.weight_decay)
     stream = PromptStream(len(train_pairs), torch.Generator().manual_seed(t.seed))
     final: dict[str, float] = {}
@@ -310,8 +324,16 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
             batch = [train_pairs[i] for i in stream.next(t.batch_size)]
             optimizer.zero_grad(set_to_none=True)
             if process:
-                loss = process_loss(row_logits(rm, batch), [r["labels"] for r in batch])
-                metrics = {"loss": loss.item()}
+                logits = row_logits(rm, batch)
+                loss = process_loss(logits, [r["labels"] for r in batch])
+                metrics = {}
+                if teacher is not None:  # every step's Bernoulli: the teacher's probability, the student's
+                    z, taught = torch.cat(logits), teacher_step_logits(teacher, batch, t.batch_size)
+                    kl = preference_kl(z, taught, cfg.distill.temperature)
+                    loss = (1 - cfg.distill.coef) * loss + cfg.distill.coef * kl.mean()
+                    metrics.update(distill_kl=kl.mean().item(),
+                                   teacher_agreement=((z > 0) == (taught > 0)).float().mean().item())
+                metrics["loss"] = loss.item()
             else:
                 chosen, rejected = pair_scores(rm, batch)
                 losses, margin = bradley_terry_loss(chosen, rejected)
@@ -330,7 +352,7 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
             logger.log({**metrics, "grad_norm": norm.item()}, step, "rm")
             progress.advance()
             if held and (step == t.steps or (t.eval_every and step % t.eval_every == 0)):
-                final = evaluate_steps(rm, held, t.batch_size) if process else \
+                final = evaluate_steps(rm, held, t.batch_size, held_teacher) if process else \
                     evaluate_pairs(rm, held, t.batch_size, held_teacher)
                 logger.log(final, step, "rm_eval")
     finally:
