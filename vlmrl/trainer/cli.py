@@ -54,8 +54,15 @@ answers to each prompt; every step of every answer is continued --continuations 
 step, and its label is the share of continuations that reach the right answer (--hard: whether any does). Writes a
 step-labelled JSONL (images beside it) for `vlmrl rm train data.steps.path=FILE`.
 
-Example:
-  vlmrl rm label --policy runs/digits/checkpoint-600 --data '{task: digits_sum, n: 200}' --out runs/steps/train.jsonl"""
+With --judge URL --judge-model NAME the labels come from an LLM judge (any OpenAI-compatible endpoint) instead: each
+step is shown with the question, image(s), reference answer and the steps before it, and labelled 1 if the judge
+says it is right, else 0 (--judge-graded: the judge's probability, from its token log-probs). An answer with a step
+the judge did not grade is left out and counted.
+
+Examples:
+  vlmrl rm label --policy runs/digits/checkpoint-600 --data '{task: digits_sum, n: 200}' --out runs/steps/train.jsonl
+  vlmrl rm label --policy runs/digits/checkpoint-600 --data '{task: digits_sum, n: 200}' --out runs/steps/judged.jsonl \
+      --judge http://127.0.0.1:8000/v1 --judge-model qwen2.5-vl-7b"""
 
 
 def cmd_rm_label(args) -> int:
@@ -67,6 +74,8 @@ def cmd_rm_label(args) -> int:
     from vlmrl.models import load_policy
     from vlmrl.trainer.prm_labels import label_steps, sample_answers
 
+    if args.judge and not args.judge_model:
+        raise ConfigError("--judge needs --judge-model: the name the server serves the judge under")
     spec = yaml.safe_load(args.data)
     if not isinstance(spec, dict):
         raise ConfigError(f"--data {args.data!r}: expected a data spec such as '{{task: digits_sum, n: 200}}' or "
@@ -79,14 +88,27 @@ def cmd_rm_label(args) -> int:
     policy = load_policy(args.policy)
     answers = sample_answers(policy, samples, args.answers, args.max_new_tokens, args.temperature,
                              args.prompt_template, args.seed)
-    rows = label_steps(policy, samples, [[t for t, _ in a] for a in answers], args.continuations,
-                       args.max_new_tokens, args.temperature, args.split_steps, args.think_tag, args.hard,
-                       args.prompt_template, args.seed + 1)
+    texts = [[t for t, _ in a] for a in answers]
+    if args.judge:
+        from vlmrl.rewards.judge import JudgeClient
+        from vlmrl.trainer.prm_judge import STEP_TEMPLATE, judge_steps
+
+        client = JudgeClient(args.judge, args.judge_model, api_key_env=args.judge_api_key_env,
+                             template=STEP_TEMPLATE, graded=args.judge_graded, concurrency=args.judge_concurrency,
+                             max_tokens=args.judge_max_tokens)
+        rows, count = judge_steps(client, samples, texts, args.split_steps, args.think_tag)
+        source = (f"by the judge ({count['requests']} requests; {count['ungraded']} answers left out: a step "
+                  f"without a verdict{': ' + count['error'] if count['error'] else ''})")
+    else:
+        rows = label_steps(policy, samples, texts, args.continuations, args.max_new_tokens, args.temperature,
+                           args.split_steps, args.think_tag, args.hard, args.prompt_template, args.seed + 1)
     out = write_rows(rows, args.out)
     steps = sum(len(r["labels"]) for r in rows)
     wrong = sum(v < 0.5 for r in rows for v in r["labels"])
+    if not args.judge:
+        source = f"from {steps * args.continuations} continuations"
     print(f"{len(samples)} prompts, {sum(map(len, answers))} answers, {len(rows)} with reasoning steps: {steps} steps "
-          f"labelled ({wrong} below 0.5) from {steps * args.continuations} continuations")
+          f"labelled ({wrong} below 0.5) {source}")
     print(f"wrote {out}; train a process RM on it: vlmrl rm train data.steps.path={out} "
           f"model.name_or_path={args.policy}")
     return 0
@@ -111,6 +133,14 @@ def add_parser(sub) -> None:
     lab.add_argument("--prompt-template", default="{problem}")
     lab.add_argument("--seed", type=int, default=0)
     lab.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    lab.add_argument("--judge", metavar="URL", help="label steps by an LLM judge at this OpenAI-compatible base URL "
+                     "(e.g. http://127.0.0.1:8000/v1) instead of by continuations")
+    lab.add_argument("--judge-model", help="the judge's model name (needed with --judge)")
+    lab.add_argument("--judge-api-key-env", help="the environment variable holding the judge's API key")
+    lab.add_argument("--judge-graded", action="store_true",
+                     help="soft labels: the judge's probability of [RELEVANT] from its token log-probs")
+    lab.add_argument("--judge-concurrency", type=int, default=8, help="judge requests in flight (default 8)")
+    lab.add_argument("--judge-max-tokens", type=int, default=256, help="the judge's reply budget (default 256)")
     lab.set_defaults(func=cmd_rm_label)
     t = rsub.add_parser("train", help="fit a reward model on preference pairs", description=RM_TRAIN_HELP,
                         formatter_class=argparse.RawDescriptionHelpFormatter)
