@@ -113,6 +113,43 @@ def test_a_frozen_rm_trains_its_head_and_logprob_weight_only(tiny_model_dir, tmp
     assert RewardModel.from_pretrained(out["checkpoint"]).logprob_weight.item() == head["logprob_weight"].item()
 
 
+def test_a_lora_rm_trains_adapters_and_saves_them_merged(tiny_model_dir, tmp_path, monkeypatch):
+    """model.lora.r=4: only the adapters and the head train; the saved RM is a plain model folder (adapters merged)
+    that scores the held-out pairs exactly as the trained RM did (its mean margin); and it learns the preference."""
+    import vlmrl.trainer.rm as rm_module
+    from vlmrl.trainer.rm import evaluate_pairs
+
+    trainable = {}
+    adamw = rm_module.adamw
+
+    def spy(params, *args):
+        params = list(params)
+        trainable["n"] = sum(p.numel() for p in params)
+        return adamw(params, *args)
+
+    monkeypatch.setattr(rm_module, "adamw", spy)
+    pairs_file = _separable_pairs(tmp_path)
+    out = train_small_rm(tmp_path, f"data.pairs.path={pairs_file}", tiny_model_dir, 30, 16, "model.lora.r=4")
+    start = load_policy(tiny_model_dir)
+    total = sum(p.numel() for p in start.model.parameters())
+    hidden = start.model.config.text_config.hidden_size
+    assert hidden + 1 < trainable["n"] < total / 5  # the head and the adapters, not the VLM
+    checkpoint = Path(out["checkpoint"])
+    assert not (checkpoint / "adapter_config.json").exists()
+    rm = RewardModel.from_pretrained(checkpoint)
+    assert not rm.policy.has_adapters
+    cfg = load_rm_config(None, [f"data.pairs.path={pairs_file}", "data.heldout=0.25"])
+    held = split_by_prompt(load_pairs(cfg)[0], 0.25, 0)[1]
+    again = evaluate_pairs(rm, held, 8)
+    assert again["margin"] == pytest.approx(out["final"]["margin"], abs=1e-4)
+    assert out["final"]["pairwise_accuracy"] >= 0.9, out["final"]
+
+
+def test_lora_and_a_frozen_vlm_are_refused_together():
+    with pytest.raises(ConfigError, match="choose one"):
+        load_rm_config(None, ["data.pairs.path=x.jsonl", "model.freeze=true", "model.lora.r=4"])
+
+
 @pytest.fixture(scope="module")
 def trained_rm(tmp_path_factory, tiny_model_dir):
     tmp = tmp_path_factory.mktemp("rm")

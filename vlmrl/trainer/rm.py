@@ -26,7 +26,7 @@ import torch
 from annotated_types import Ge, Le
 
 from vlmrl.algorithms.losses import bradley_terry_loss, preference_kl
-from vlmrl.config import TinyModelConfig
+from vlmrl.config import LoraConfig, TinyModelConfig
 from vlmrl.configlib import Count, Fraction, Name, NonNegative, Positive, PositiveInt, Rule, load, section
 from vlmrl.configlib import validate as _validate
 from vlmrl.data import build_dataset, vocabulary_texts
@@ -34,6 +34,7 @@ from vlmrl.errors import DataError
 from vlmrl.eval.metrics import accuracy_interval
 from vlmrl.models import build_tiny_vlm, load_policy
 from vlmrl.models.reward_model import RewardModel, answer_ids
+from vlmrl.models.trainable import add_lora, merge_lora
 from vlmrl.optim import adamw
 from vlmrl.progress import Progress
 from vlmrl.trainer.checkpoint import begin_checkpoint, save_checkpoint
@@ -59,6 +60,9 @@ class RMModelConfig:
     # train the head (and the log-prob term's weight) only, the VLM frozen: the model's own knowledge, reweighed,
     # not rewritten by a few thousand noisy labels; also a fraction of the memory and time per step
     freeze: bool = False
+    # model.lora.r > 0: train LoRA adapters on the VLM (and the head) instead of every weight: the optimizer holds
+    # the adapters' states only; they are merged into the weights when the RM is saved (a plain model folder)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     tiny: TinyModelConfig = field(default_factory=TinyModelConfig)
 
 
@@ -131,7 +135,10 @@ def _one_source(c: RMConfig) -> str | None:
     return None
 
 
-RULES = [Rule(("data.pairs", "data.rollouts", "data.steps"), "exactly one of them", _one_source)]
+RULES = [Rule(("data.pairs", "data.rollouts", "data.steps"), "exactly one of them", _one_source),
+         Rule(("model.freeze", "model.lora.r"), "not both", lambda c: (
+             "model.freeze=true trains the head alone and model.lora.r > 0 trains adapters on the VLM: choose one")
+             if c.model.freeze and c.model.lora.r else None)]
 
 
 def load_rm_config(path: str | Path | None = None, overrides: list[str] = ()) -> RMConfig:
@@ -272,6 +279,8 @@ def build_model(cfg: RMConfig, run_dir: Path, template: str) -> RewardModel:
     if m.freeze:
         for p in policy.model.parameters():
             p.requires_grad_(False)
+    if m.lora.r:
+        policy = add_lora(policy, m.lora, name)
     return RewardModel.on(policy, template, d.max_prompt_length, d.max_answer_tokens, process, m.logprob_term)
 
 
@@ -360,6 +369,7 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
         logger.close()
     checkpoint = run_dir / f"checkpoint-{t.steps}"
     staging = begin_checkpoint(checkpoint)
+    rm.policy = merge_lora(rm.policy)  # adapters (if any) into the weights: the RM folder stands alone
     kept = (("loss", "step_accuracy", "error_precision", "error_recall", "error_f1", "steps") if process else
             ("pairwise_accuracy", "ci_low", "ci_high", "pairs", "prompts"))
     rm.save_head(staging, {"trained": {"steps": t.steps, "train_rows" if process else "train_pairs": len(train_pairs),
