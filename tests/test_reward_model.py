@@ -354,10 +354,14 @@ def test_a_distilled_rm_follows_its_teacher_not_the_labels(trained_rm, tiny_mode
                                 f"distill.teacher={trained_rm['run_dir']}", f"distill.coef={coef}"])
     final = train_reward_model(cfg)["final"]
     assert final["teacher_pairwise_accuracy"] <= 0.1  # the teacher disagrees with the flipped labels
+    # an untrained head (every margin 0) would "agree" with a teacher that ranks every pair wrong: the margins must
+    # have moved, and in the teacher's direction
     if coef == 1.0:
         assert final["teacher_agreement"] >= 0.9 and final["pairwise_accuracy"] <= 0.1, final
+        assert final["margin"] <= -1.0, final
     else:
         assert final["teacher_agreement"] <= 0.1 and final["pairwise_accuracy"] >= 0.9, final
+        assert final["margin"] >= 1.0, final
 
 
 def test_a_teacher_of_the_other_kind_is_refused_before_a_run_directory(trained_rm, tmp_path):

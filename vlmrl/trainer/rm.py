@@ -43,6 +43,7 @@ from vlmrl.trainer.inputs import PromptStream
 from vlmrl.trainer.logger import MetricsLogger
 from vlmrl.trainer.prm import check_step_rows, evaluate_steps, process_loss, row_logits
 from vlmrl.trainer.rm_pairs import pairs_from_rollouts, prompt_key, split_by_prompt
+from vlmrl.trainer.rm_teacher import make_teacher, pair_scores, teacher_margins, teacher_step_logits
 from vlmrl.trainer.run import claim_run_dir, seed_everything
 
 
@@ -100,6 +101,9 @@ class RMDistillConfig:
     # pair, a process RM its probability of every step being right, through the KL between the two Bernoulli
     # distributions (algorithms.losses.preference_kl); null = labels only
     teacher: str | None = None
+    # or an LLM judge teaches an outcome RM: JudgeClient's options ({base_url, model, graded, api_key_env, ...}); each
+    # answer graded once, a pair's margin the difference of the two scores' log-odds (vlmrl.trainer.rm_teacher)
+    judge: dict | None = None
     coef: Annotated[float, Ge(0), Le(1)] = 1.0  # L = (1 - coef) x the labels' loss + coef x KL(teacher || student)
     temperature: Positive = 1.0  # > 1 softens the teacher (its margin or step logit divided by it)
 
@@ -135,7 +139,17 @@ def _one_source(c: RMConfig) -> str | None:
     return None
 
 
+def _distill_source(c: RMConfig) -> str | None:
+    if c.distill.teacher is not None and c.distill.judge is not None:
+        return "distill.teacher (an RM) and distill.judge (an LLM judge) are two teachers: give one"
+    if c.distill.judge is not None and c.data.steps is not None:
+        return ("distill.judge teaches an outcome RM on pairs; for a process RM, label its steps with the judge: "
+                "vlmrl rm label --judge URL --judge-model NAME")
+    return None
+
+
 RULES = [Rule(("data.pairs", "data.rollouts", "data.steps"), "exactly one of them", _one_source),
+         Rule(("distill.teacher", "distill.judge"), "one teacher; a judge for outcome RMs", _distill_source),
          Rule(("model.freeze", "model.lora.r"), "not both", lambda c: (
              "model.freeze=true trains the head alone and model.lora.r > 0 trains adapters on the VLM: choose one")
              if c.model.freeze and c.model.lora.r else None)]
@@ -191,63 +205,12 @@ def load_steps(cfg: RMConfig) -> tuple[list[dict], str, list[str]]:
     return rows, d.prompt_template or "{problem}", notes
 
 
-def pair_scores(rm: RewardModel, pairs: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r_chosen [B], r_rejected [B]): both answers of a pair after its prompt, the prompt's images encoded once."""
-    prompts = rm.prompts(pairs)
-    ids, mask = answer_ids(rm.policy, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs])
-    scores = rm.score(prompts, torch.arange(len(pairs)).repeat(2), ids, mask)
-    return scores[:len(pairs)], scores[len(pairs):]
-
-
-def load_teacher(path: str | None, process: dict | None = None) -> RewardModel | None:
-    """The distillation teacher (frozen), from a run directory (its newest checkpoint) or a checkpoint folder: an
-    outcome RM for an outcome RM; for a process RM (`process`: its split and think_tag) a process RM that splits
-    answers into the same steps."""
-    if path is None:
-        return None
-    from vlmrl.models.preflight import resolve_model
-
-    teacher = RewardModel.from_pretrained(resolve_model(path, "distill.teacher"))
-    kind = "outcome" if process is None else "process"
-    if teacher.kind != kind:
-        article = {"outcome": "an", "process": "a"}
-        raise DataError(f"distill.teacher {path}: {article[teacher.kind]} {teacher.kind} reward model; training "
-                        f"{article[kind]} {kind} RM needs {article[kind]} {kind} teacher "
-                        f"({'it ranks the pairs' if process is None else 'it scores every step'})")
-    if process is not None:
-        theirs = {k: teacher.info["process"][k] for k in ("split", "think_tag")}
-        ours = {k: process[k] for k in ("split", "think_tag")}
-        if theirs != ours:
-            raise DataError(f"distill.teacher {path} splits answers into steps by {theirs}, this PRM by {ours}: the "
-                            "steps would not be the same; set process.split and process.think_tag to the teacher's")
-    for p in teacher.parameters():
-        p.requires_grad_(False)
-    return teacher.train(False)
-
-
-@torch.no_grad()
-def teacher_margins(teacher: RewardModel, pairs: list[dict], batch_size: int) -> torch.Tensor:
-    """The teacher's r_c - r_r on each pair, scored in chunks."""
-    parts = []
-    for start in range(0, len(pairs), batch_size):
-        chosen, rejected = pair_scores(teacher, pairs[start:start + batch_size])
-        parts.append(chosen - rejected)
-    return torch.cat(parts)
-
-
-@torch.no_grad()
-def teacher_step_logits(teacher: RewardModel, rows: list[dict], batch_size: int) -> torch.Tensor:
-    """A process teacher's logit of every step of `rows` (rows in order, steps in order), scored in chunks."""
-    return torch.cat([torch.cat(row_logits(teacher, rows[start:start + batch_size]))
-                      for start in range(0, len(rows), batch_size)])
-
-
 @torch.no_grad()
 def evaluate_pairs(rm: RewardModel, pairs: list[dict], batch_size: int = 16,
                    teacher: torch.Tensor | None = None) -> dict[str, float]:
     """Pairwise accuracy (r_c > r_r) on `pairs`, its 95% interval over prompts (a prompt's pairs resampled
-    together), the mean margin and loss; with `teacher` (its margins on the same pairs), how often the two rank a
-    pair the same way (`teacher_agreement`) and the teacher's own pairwise accuracy."""
+    together), the mean margin and loss; with `teacher` (its margins on the same pairs, NaN where it gave none), how
+    often the two rank a pair the same way (`teacher_agreement`) and the teacher's own pairwise accuracy."""
     rm.train(False)
     right: dict[str, list[bool]] = {}
     margins, losses = [], []
@@ -262,10 +225,12 @@ def evaluate_pairs(rm: RewardModel, pairs: list[dict], batch_size: int = 16,
     out = {"pairwise_accuracy": sum(m > 0 for m in margins) / len(margins), "ci_low": low, "ci_high": high,
            "margin": sum(margins) / len(margins), "loss": sum(losses) / len(losses), "pairs": float(len(pairs)),
            "prompts": float(len(right))}
-    if teacher is not None:
-        out["teacher_agreement"] = sum((m > 0) == (t > 0) for m, t in zip(margins, teacher.tolist(), strict=True)) \
-            / len(margins)
-        out["teacher_pairwise_accuracy"] = float((teacher > 0).float().mean())
+    if teacher is not None:  # a judge teacher's unscored pairs (NaN) count in neither
+        scored = [(m, t) for m, t in zip(margins, teacher.tolist(), strict=True) if t == t]
+        out["teacher_unscored"] = float(len(margins) - len(scored))
+        if scored:
+            out["teacher_agreement"] = sum((m > 0) == (t > 0) for m, t in scored) / len(scored)
+            out["teacher_pairwise_accuracy"] = sum(t > 0 for _, t in scored) / len(scored)
     return out
 
 
@@ -314,7 +279,7 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
     train_pairs, held = split_by_prompt(pairs, cfg.data.heldout, cfg.data.seed)
     for note in notes:
         progress.message(note)
-    teacher = load_teacher(cfg.distill.teacher, vars(cfg.process) if process else None)
+    teacher = make_teacher(cfg.distill.teacher, cfg.distill.judge, vars(cfg.process) if process else None)
     run_dir, _ = claim_run_dir(t.output_dir)
     rm = build_model(cfg, run_dir, template)
     check_answer_lengths(rm, pairs)
@@ -347,13 +312,16 @@ def train_reward_model(cfg: RMConfig, progress: Progress | None = None) -> dict:
                 chosen, rejected = pair_scores(rm, batch)
                 losses, margin = bradley_terry_loss(chosen, rejected)
                 metrics = {"margin": margin.mean().item(), "accuracy": (margin > 0).float().mean().item()}
-                if teacher is not None:
-                    taught = teacher_margins(teacher, batch, t.batch_size)
-                    kl = preference_kl(chosen - rejected, taught, cfg.distill.temperature)
-                    losses = (1 - cfg.distill.coef) * losses + cfg.distill.coef * kl
-                    metrics.update(distill_kl=kl.mean().item(),
-                                   teacher_agreement=((margin > 0) == (taught > 0)).float().mean().item())
                 loss = losses.mean()
+                if teacher is not None:  # the pairs the teacher gave a margin (a judge may not have)
+                    taught = teacher_margins(teacher, batch, t.batch_size)
+                    scored = ~torch.isnan(taught)
+                    kl = preference_kl((chosen - rejected)[scored], taught[scored], cfg.distill.temperature)
+                    loss = (1 - cfg.distill.coef) * loss + cfg.distill.coef * (kl.mean() if len(kl) else 0.0 * loss)
+                    metrics.update(teacher_unscored=float((~scored).sum()))
+                    if len(kl):
+                        metrics.update(distill_kl=kl.mean().item(), teacher_agreement=(
+                            (margin[scored] > 0) == (taught[scored] > 0)).float().mean().item())
                 metrics["loss"] = loss.item()
             loss.backward()
             norm = torch.nn.utils.clip_grad_norm_(rm.parameters(), t.max_grad_norm)
