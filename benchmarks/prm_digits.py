@@ -118,7 +118,7 @@ def gold_steps_file(steps_file: Path, out: Path, fmt: str) -> Path:
 
 
 def evaluate(policy_dir: Path, prm_dir: Path, orm_dir: Path, test_file: Path, args, seed: int,
-             gold_dir: Path | None = None) -> dict:
+             gold_dir: Path | None = None, base_dir: Path | None = None) -> dict:
     import torch
 
     from vlmrl.data import build_dataset
@@ -183,8 +183,28 @@ def evaluate(policy_dir: Path, prm_dir: Path, orm_dir: Path, test_file: Path, ar
             chunk = rows[start:start + 32]
             probs += torch.sigmoid(torch.cat(row_logits(prm, chunk))).tolist()
             gold += [v for r in chunk for v in true_step_labels(r["completion"], r["digits"], args.format)]
-    return {"selection": table, "steps": step_classification(probs, gold), "answers": len(flat),
-            "prompts": len(samples)}
+    result = {"selection": table, "steps": step_classification(probs, gold), "answers": len(flat),
+              "prompts": len(samples), "step_auc": roc_auc(probs, gold)}
+    if base_dir is not None:  # the stronger model the RMs start from, answering itself: what it would do as the policy
+        base = load_policy(base_dir)
+        own = sample_answers(base, samples, n, args.max_new_tokens, 1.0, seed=10_000 + seed)
+        flat_b = [(s, text, trunc) for s, group in zip(samples, own, strict=True) for text, trunc in group]
+        ok_b = verdicts([s for s, _, _ in flat_b], [t for _, t, _ in flat_b], [tr for _, _, tr in flat_b])
+        single = [ok_b[p * n:(p + 1) * n] for p in range(len(samples))]
+        major = [[majority_vote([answer_key(t, tr, "number") for _, t, tr in flat_b[p * n:(p + 1) * n]],
+                                ok_b[p * n:(p + 1) * n])] for p in range(len(samples))]
+        result["rm_base"] = {name: (sum(sum(g) / len(g) for g in groups) / len(groups), *accuracy_interval(groups))
+                             for name, groups in (("single", single), ("majority", major))}
+    return result
+
+
+def roc_auc(scores: list[float], labels: list[float]) -> float | None:
+    """How well the PRM's step scores separate right steps from wrong ones, whatever the threshold (None when the
+    steps are all of one kind)."""
+    from sklearn.metrics import roc_auc_score
+
+    gold = [y >= 0.5 for y in labels]
+    return float(roc_auc_score(gold, scores)) if 0 < sum(gold) < len(gold) else None
 
 
 def run_seed(seed: int, args, out_root: Path) -> dict:
@@ -200,6 +220,14 @@ def run_seed(seed: int, args, out_root: Path) -> dict:
           f"eval.max_new_tokens={args.max_new_tokens}", f"trainer.seed={seed}", threads,
           f"trainer.output_dir={policy}", *args.overrides, log=out / "policy.log")
     checkpoint = policy / "checkpoint-0"
+    base = checkpoint  # what every RM starts from: the policy itself, or a stronger model (--rm-sft-steps)
+    if args.rm_sft_steps:
+        vlmrl("train", f"data.train={{path: {files['label']}}}", f"data.sft={{path: {files['sft']}}}",
+              f"data.eval={{path: {files['test']}}}", f"sft.target_template={TEMPLATE}",
+              f"sft.steps={args.rm_sft_steps}", "trainer.steps=0", f"rollout.max_new_tokens={args.max_new_tokens}",
+              f"eval.max_new_tokens={args.max_new_tokens}", f"trainer.seed={seed}", threads,
+              f"trainer.output_dir={out / 'rm_base'}", *args.overrides, log=out / "rm_base.log")
+        base = out / "rm_base" / "checkpoint-0"
     steps_file = out / "labels" / "steps.jsonl"
     vlmrl("rm", "label", "--policy", str(checkpoint), "--data", f"{{path: {files['label']}}}", "--out",
           str(steps_file), "--answers", str(args.answers), "--continuations", str(args.continuations),
@@ -207,7 +235,7 @@ def run_seed(seed: int, args, out_root: Path) -> dict:
           *([] if args.soft else ["--hard"]), log=out / "label.log")
     labelled = [json.loads(line) for line in steps_file.read_text().splitlines()]
     pairs, n_pairs, pair_prompts = pairs_file(steps_file, out / "labels" / "pairs.jsonl", seed)
-    common = [f"model.name_or_path={checkpoint}", f"trainer.steps={args.rm_steps}", "trainer.eval_every=0",
+    common = [f"model.name_or_path={base}", f"trainer.steps={args.rm_steps}", "trainer.eval_every=0",
               "data.max_answer_tokens=64", f"trainer.seed={seed}", f"data.seed={seed}", threads,
               f"model.logprob_term={str(args.logprob_term).lower()}"]
     vlmrl("rm", "train", f"data.steps.path={steps_file}", *common, f"trainer.output_dir={out / 'prm'}",
@@ -223,7 +251,8 @@ def run_seed(seed: int, args, out_root: Path) -> dict:
         gold = out / "prm_gold"
         vlmrl("rm", "train", f"data.steps.path={gold_steps_file(steps_file, out / 'labels' / 'gold.jsonl', args.format)}",
               *common, f"trainer.output_dir={gold}", log=out / "prm_gold.log")
-    result = evaluate(checkpoint, out / "prm", orm, files["test"], args, seed, gold)
+    result = evaluate(checkpoint, out / "prm", orm, files["test"], args, seed, gold,
+                      base if args.rm_sft_steps else None)
     result.update(seed=seed, labelled_answers=len(labelled), labelled_steps=sum(len(r["labels"]) for r in labelled),
                   labelled_right=sum(r["correct"] for r in labelled), orm_pairs=n_pairs,
                   prm_heldout=json.loads((sorted((out / "prm").glob("checkpoint-*"))[-1] / "reward_model.json")
@@ -251,8 +280,14 @@ def table(result: dict, n: int) -> str:
         v, lo, hi = sel[key]
         sign = "+" if "minus" in key else ""
         lines.append(f"| {label} | {100 * v:{sign}.1f} [{100 * lo:{sign}.1f}, {100 * hi:{sign}.1f}] |")
+    if "rm_base" in result:
+        own = result["rm_base"]
+        lines += ["", "the RMs' starting model answering itself: " + ", ".join(
+            f"{label} {100 * own[k][0]:.1f} [{100 * own[k][1]:.1f}, {100 * own[k][2]:.1f}]"
+            for k, label in (("single", "one answer"), ("majority", f"majority vote over {n}")))]
     st = result["steps"]
-    lines += ["", f"PRM steps against their true correctness: accuracy {100 * st['step_accuracy']:.1f}% over "
+    auc = "" if result.get("step_auc") is None else f"ROC AUC {result['step_auc']:.2f}, "
+    lines += ["", f"PRM steps against their true correctness: {auc}accuracy {100 * st['step_accuracy']:.1f}% over "
               f"{st['steps']:.0f} steps ({st['wrong_steps']:.0f} wrong); wrong steps found: precision "
               f"{st['error_precision']:.2f}, recall {st['error_recall']:.2f}, F1 {st['error_f1']:.2f}"]
     return "\n".join(lines)
@@ -281,6 +316,9 @@ def main() -> None:
                    "(the ceiling of automatic labels)")
     p.add_argument("--logprob-term", action="store_true", help="every RM (PRM, outcome RM, true-label PRM) with "
                    "model.logprob_term: its own language model's log-prob of what it scores as one more feature")
+    p.add_argument("--rm-sft-steps", type=int, default=0, help="start every RM from a stronger model than the "
+                   "policy: the same SFT run for this many steps (0: the RMs start from the policy itself). Labels "
+                   "still come from the policy's own answers")
     p.add_argument("--test", type=int, default=300, help="held-out prompts")
     p.add_argument("--n", type=int, default=8, help="answers per held-out prompt (best-of-n)")
     p.add_argument("--max-new-tokens", type=int, default=20)
