@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -213,26 +214,30 @@ def run_seed(seed: int, args, out_root: Path) -> dict:
     t0 = time.perf_counter()
     files = write_data(out / "data", args, seed)
     threads = f"trainer.threads={args.threads}"
-    policy = out / "policy"
-    vlmrl("train", f"data.train={{path: {files['label']}}}", f"data.sft={{path: {files['sft']}}}",
-          f"data.eval={{path: {files['test']}}}", f"sft.target_template={TEMPLATE}", f"sft.steps={args.sft_steps}",
-          "trainer.steps=0", f"rollout.max_new_tokens={args.max_new_tokens}",
-          f"eval.max_new_tokens={args.max_new_tokens}", f"trainer.seed={seed}", threads,
-          f"trainer.output_dir={policy}", *args.overrides, log=out / "policy.log")
-    checkpoint = policy / "checkpoint-0"
-    base = checkpoint  # what every RM starts from: the policy itself, or a stronger model (--rm-sft-steps)
-    if args.rm_sft_steps:
-        vlmrl("train", f"data.train={{path: {files['label']}}}", f"data.sft={{path: {files['sft']}}}",
-              f"data.eval={{path: {files['test']}}}", f"sft.target_template={TEMPLATE}",
-              f"sft.steps={args.rm_sft_steps}", "trainer.steps=0", f"rollout.max_new_tokens={args.max_new_tokens}",
-              f"eval.max_new_tokens={args.max_new_tokens}", f"trainer.seed={seed}", threads,
-              f"trainer.output_dir={out / 'rm_base'}", *args.overrides, log=out / "rm_base.log")
-        base = out / "rm_base" / "checkpoint-0"
+
+    def sft(folder: Path, steps: int) -> Path:
+        """`vlmrl train` SFT-only for `steps` steps into `folder` (or, with --reuse, the checkpoint already there)."""
+        if args.reuse and (folder / "checkpoint-0").is_dir():
+            print(f"  reusing {folder / 'checkpoint-0'}", flush=True)
+        else:
+            vlmrl("train", f"data.train={{path: {files['label']}}}", f"data.sft={{path: {files['sft']}}}",
+                  f"data.eval={{path: {files['test']}}}", f"sft.target_template={TEMPLATE}", f"sft.steps={steps}",
+                  "trainer.steps=0", f"rollout.max_new_tokens={args.max_new_tokens}",
+                  f"eval.max_new_tokens={args.max_new_tokens}", f"trainer.seed={seed}", threads,
+                  f"trainer.output_dir={folder}", *args.overrides, log=folder.with_suffix(".log"))
+        return folder / "checkpoint-0"
+
+    checkpoint = sft(out / "policy", args.sft_steps)
+    # what every RM starts from: the policy itself, or a stronger model (--rm-sft-steps)
+    base = sft(out / "rm_base", args.rm_sft_steps) if args.rm_sft_steps else checkpoint
+    completer = base if args.completer == "rm-base" else checkpoint
+    for stale in ("labels", "prm", "orm", "prm_gold"):  # everything after the SFT runs is made again
+        shutil.rmtree(out / stale, ignore_errors=True)
     steps_file = out / "labels" / "steps.jsonl"
-    vlmrl("rm", "label", "--policy", str(checkpoint), "--data", f"{{path: {files['label']}}}", "--out",
-          str(steps_file), "--answers", str(args.answers), "--continuations", str(args.continuations),
-          "--max-new-tokens", str(args.max_new_tokens), "--seed", str(seed), "--threads", str(args.threads),
-          *([] if args.soft else ["--hard"]), log=out / "label.log")
+    vlmrl("rm", "label", "--policy", str(checkpoint), "--completer", str(completer), "--data",
+          f"{{path: {files['label']}}}", "--out", str(steps_file), "--answers", str(args.answers), "--continuations",
+          str(args.continuations), "--max-new-tokens", str(args.max_new_tokens), "--seed", str(seed), "--threads",
+          str(args.threads), *([] if args.soft else ["--hard"]), log=out / "label.log")
     labelled = [json.loads(line) for line in steps_file.read_text().splitlines()]
     pairs, n_pairs, pair_prompts = pairs_file(steps_file, out / "labels" / "pairs.jsonl", seed)
     common = [f"model.name_or_path={base}", f"trainer.steps={args.rm_steps}", "trainer.eval_every=0",
@@ -319,6 +324,11 @@ def main() -> None:
     p.add_argument("--rm-sft-steps", type=int, default=0, help="start every RM from a stronger model than the "
                    "policy: the same SFT run for this many steps (0: the RMs start from the policy itself). Labels "
                    "still come from the policy's own answers")
+    p.add_argument("--completer", choices=["policy", "rm-base"], default="policy",
+                   help="which model continues each step to label it (Math-Shepherd's completer): the policy, or the "
+                   "RMs' stronger starting model (--rm-sft-steps); the answers labelled are the policy's either way")
+    p.add_argument("--reuse", action="store_true", help="reuse the policy and RM-base checkpoints already in --out "
+                   "(same seed and settings) instead of training them again; the labels and RMs are always made anew")
     p.add_argument("--test", type=int, default=300, help="held-out prompts")
     p.add_argument("--n", type=int, default=8, help="answers per held-out prompt (best-of-n)")
     p.add_argument("--max-new-tokens", type=int, default=20)

@@ -173,6 +173,35 @@ def test_a_teacher_splitting_steps_otherwise_is_refused(trained_prm, tmp_path):
         train_reward_model(cfg)
 
 
+def test_rm_label_continues_the_policys_answers_with_the_completer(tiny_model_dir, tmp_path, monkeypatch):
+    """`vlmrl rm label --completer C`: the answers are the policy's, every continuation is C's (Math-Shepherd's
+    completer); without it the policy continues its own answers."""
+    import shutil
+
+    from vlmrl.cli import main
+
+    completer_dir = tmp_path / "completer"
+    shutil.copytree(tiny_model_dir, completer_dir)
+    seen = {}
+
+    def sample(policy, samples, *args, **kwargs):
+        seen["sampler"] = policy.family.model.name_or_path
+        return [[("<think>1\n2</think><answer>3</answer>", False)] for _ in samples]
+
+    def label(policy, samples, answers, *args, **kwargs):
+        seen["completer"] = policy.family.model.name_or_path
+        return [{**samples[0], "id": "a#1", "group": "a", "completion": answers[0][0], "labels": [1.0, 0.0],
+                 "correct": True}]
+
+    monkeypatch.setattr(prm_labels, "sample_answers", sample)
+    monkeypatch.setattr(prm_labels, "label_steps", label)
+    base = ["rm", "label", "--policy", str(tiny_model_dir), "--data", "{task: digits_sum, n: 2}", "--threads", "1"]
+    assert main([*base, "--out", str(tmp_path / "a.jsonl"), "--completer", str(completer_dir)]) == 0
+    assert seen == {"sampler": str(tiny_model_dir), "completer": str(completer_dir)}
+    assert main([*base, "--out", str(tmp_path / "b.jsonl")]) == 0
+    assert seen == {"sampler": str(tiny_model_dir), "completer": str(tiny_model_dir)}
+
+
 def test_step_rows_are_checked_against_their_steps():
     rows = [{"id": "a", "completion": "<think>x\ny</think><answer>1</answer>", "labels": [1, 0]},
             {"id": "b", "completion": "<think>x\ny</think><answer>1</answer>", "labels": [1]},

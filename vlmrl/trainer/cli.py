@@ -51,7 +51,7 @@ def cmd_rm_train(args) -> int:
 
 RM_LABEL_HELP = """Label reasoning steps automatically (Math-Shepherd) for a process reward model: the policy samples
 answers to each prompt; every step of every answer is continued --continuations times from the answer up to that
-step, and its label is the share of continuations that reach the right answer (--hard: whether any does). Writes a
+step (by the policy, or by --completer, a stronger model), and its label is the share of continuations that reach the right answer (--hard: whether any does). Writes a
 step-labelled JSONL (images beside it) for `vlmrl rm train data.steps.path=FILE`.
 
 With --judge URL --judge-model NAME the labels come from an LLM judge (any OpenAI-compatible endpoint) instead: each
@@ -99,14 +99,16 @@ def cmd_rm_label(args) -> int:
         rows, count = judge_steps(client, samples, texts, args.split_steps, args.think_tag)
         source = (f"by the judge ({count['requests']} requests; {count['ungraded']} answers left out: a step "
                   f"without a verdict{': ' + count['error'] if count['error'] else ''})")
-    else:
-        rows = label_steps(policy, samples, texts, args.continuations, args.max_new_tokens, args.temperature,
+    else:  # Math-Shepherd's completer: the policy itself, or a stronger model continuing the policy's answers
+        completer = load_policy(args.completer) if args.completer else policy
+        rows = label_steps(completer, samples, texts, args.continuations, args.max_new_tokens, args.temperature,
                            args.split_steps, args.think_tag, args.hard, args.prompt_template, args.seed + 1)
     out = write_rows(rows, args.out)
     steps = sum(len(r["labels"]) for r in rows)
     wrong = sum(v < 0.5 for r in rows for v in r["labels"])
     if not args.judge:
-        source = f"from {steps * args.continuations} continuations"
+        source = f"from {steps * args.continuations} continuations" + (f" by {args.completer}" if args.completer
+                                                                       else "")
     print(f"{len(samples)} prompts, {sum(map(len, answers))} answers, {len(rows)} with reasoning steps: {steps} steps "
           f"labelled ({wrong} below 0.5) {source}")
     print(f"wrote {out}; train a process RM on it: vlmrl rm train data.steps.path={out} "
@@ -125,6 +127,9 @@ def add_parser(sub) -> None:
     lab.add_argument("--split", default="train", help="the data split (built-in tasks: train, test, ood)")
     lab.add_argument("--answers", type=int, default=4, help="answers sampled per prompt (default 4)")
     lab.add_argument("--continuations", type=int, default=8, help="continuations per step (default 8)")
+    lab.add_argument("--completer", help="the checkpoint that continues each step (Math-Shepherd's completer; "
+                     "default: --policy itself): a stronger model labels the policy's steps by what it can reach "
+                     "from them")
     lab.add_argument("--hard", action="store_true", help="label 1 when any continuation is right (else the share)")
     lab.add_argument("--max-new-tokens", type=int, default=32, help="token budget of answers and continuations")
     lab.add_argument("--temperature", type=float, default=1.0)
