@@ -58,6 +58,21 @@ def test_pairs_the_judge_cannot_score_are_left_out_and_counted(tiny_model_dir, t
     assert final["teacher_unscored"] < final["pairs"]
 
 
+def test_an_answer_in_two_pairs_to_one_prompt_is_asked_once():
+    from vlmrl.trainer.rm_teacher import JudgeTeacher
+
+    pairs = [{"id": f"g#{k}", "group": "g", "problem": "How many?", "solution": "3", "chosen": c, "rejected": r}
+             for k, (c, r) in enumerate((("<answer>3</answer>", "3"), ("<answer>3</answer>", "4"),
+                                         ("<answer>3</answer>", "3")))]
+    with JudgeServer(reply=tag_judge) as server:
+        teacher = JudgeTeacher({"base_url": server.base_url, "model": "judge-model", "cache_dir": None})
+        margins = teacher.margins(pairs)
+        assert len(server.requests) == 3  # "<answer>3</answer>", "3", "4"
+        teacher.margins([{**pairs[0], "group": "h", "problem": "How many circles?"}])  # another prompt: asked again
+        assert len(server.requests) == 5
+    assert margins.tolist() == pytest.approx([2 * math.log(99)] * 3)
+
+
 def test_one_teacher_and_a_judge_for_outcome_rms_only():
     judge = "distill.judge={base_url: 'http://127.0.0.1:1/v1', model: m}"
     with pytest.raises(ConfigError, match="two teachers: give one"):

@@ -25,6 +25,7 @@ from vlmrl.models.reward_model import RewardModel, answer_ids
 from vlmrl.rewards.judge import JudgeClient
 from vlmrl.rewards.parsing import strip_think
 from vlmrl.trainer.prm import row_logits
+from vlmrl.trainer.rm_pairs import prompt_key
 
 JUDGE_FLOOR = 0.01  # a judge's score is held in [0.01, 0.99] before its log-odds are taken
 
@@ -57,8 +58,8 @@ class JudgeTeacher:
         self.scores: dict[tuple, float | None] = {}
         self.unscored = 0
 
-    def _key(self, pair: dict, answer: str) -> tuple:
-        return (str(pair.get("problem", "")), str(pair.get("solution", "")), pair.get("id"), answer)
+    def _key(self, pair: dict, answer: str) -> tuple:  # the same answer to the same prompt in two pairs: asked once
+        return (prompt_key(pair), str(pair.get("problem", "")), str(pair.get("solution", "")), answer)
 
     def margins(self, pairs: list[dict]) -> torch.Tensor:
         todo: dict[tuple, list[dict]] = {}
