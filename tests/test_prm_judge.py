@@ -87,3 +87,6 @@ def test_the_cli_needs_the_judges_model_name(capsys):
     assert main(["rm", "label", "--policy", "x", "--data", "{task: digits_sum, n: 2}", "--out", "x.jsonl",
                  "--judge", "http://127.0.0.1:1/v1"]) != 0
     assert "--judge needs --judge-model" in capsys.readouterr().err
+    assert main(["rm", "label", "--policy", "x", "--data", "{task: digits_sum, n: 2}", "--out", "x.jsonl",
+                 "--judge", "http://127.0.0.1:1/v1", "--judge-model", "m", "--completer", "y"]) != 0
+    assert "--completer continues the steps to label them and --judge grades them" in capsys.readouterr().err

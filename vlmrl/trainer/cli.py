@@ -51,8 +51,9 @@ def cmd_rm_train(args) -> int:
 
 RM_LABEL_HELP = """Label reasoning steps automatically (Math-Shepherd) for a process reward model: the policy samples
 answers to each prompt; every step of every answer is continued --continuations times from the answer up to that
-step (by the policy, or by --completer, a stronger model), and its label is the share of continuations that reach the right answer (--hard: whether any does). Writes a
-step-labelled JSONL (images beside it) for `vlmrl rm train data.steps.path=FILE`.
+step (by the policy, or by --completer, a stronger model), and its label is the share of continuations that reach
+the right answer (--hard: whether any does). Writes a step-labelled JSONL (images beside it) for `vlmrl rm train
+data.steps.path=FILE`.
 
 With --judge URL --judge-model NAME the labels come from an LLM judge (any OpenAI-compatible endpoint) instead: each
 step is shown with the question, image(s), reference answer and the steps before it, and labelled 1 if the judge
@@ -76,6 +77,8 @@ def cmd_rm_label(args) -> int:
 
     if args.judge and not args.judge_model:
         raise ConfigError("--judge needs --judge-model: the name the server serves the judge under")
+    if args.judge and args.completer:
+        raise ConfigError("--completer continues the steps to label them and --judge grades them: give one")
     spec = yaml.safe_load(args.data)
     if not isinstance(spec, dict):
         raise ConfigError(f"--data {args.data!r}: expected a data spec such as '{{task: digits_sum, n: 200}}' or "
