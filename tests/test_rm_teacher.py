@@ -73,6 +73,18 @@ def test_an_answer_in_two_pairs_to_one_prompt_is_asked_once():
     assert margins.tolist() == pytest.approx([2 * math.log(99)] * 3)
 
 
+def test_a_failed_answer_is_asked_again_at_its_next_draw():
+    from vlmrl.trainer.rm_teacher import JudgeTeacher
+
+    pair = {"group": "g", "problem": "How many?", "solution": "3", "chosen": "<answer>3</answer>", "rejected": "3"}
+    with JudgeServer(reply=tag_judge, script=["500"]) as server:  # the first request fails, then all succeed
+        teacher = JudgeTeacher({"base_url": server.base_url, "model": "judge-model", "cache_dir": None,
+                                "max_retries": 0, "concurrency": 1})
+        first, again = teacher.margins([pair]), teacher.margins([pair])
+    assert math.isnan(first.item()) and teacher.unscored == 1
+    assert again.item() == pytest.approx(2 * math.log(99)) and len(server.requests) == 3
+
+
 def test_one_teacher_and_a_judge_for_outcome_rms_only():
     judge = "distill.judge={base_url: 'http://127.0.0.1:1/v1', model: m}"
     with pytest.raises(ConfigError, match="two teachers: give one"):

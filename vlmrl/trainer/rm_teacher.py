@@ -6,12 +6,12 @@ A judge grades each answer on its own, in [0, 1] (a verdict's 1 or 0, a graded j
 or N/10), and its margin on a pair is the difference of the two log-odds, each score held in [JUDGE_FLOOR,
 1 - JUDGE_FLOOR]:
 
-    m_judge = logit(s_chosen) - logit(s_rejected),   so   sigmoid(m_judge) = s_c (1 - s_r) / (s_c (1 - s_r) + s_r (1 - s_c))
+    m_judge = logit(s_c) - logit(s_r),    so    sigmoid(m_judge) = s_c (1 - s_r) / (s_c (1 - s_r) + s_r (1 - s_c))
 
 the Bradley-Terry preference of two answers whose rewards are the judge's log-odds. Two plain verdicts that differ
 give +-2 logit(0.99) = +-9.19 (a preference of 0.9999); equal ones give 0 (no preference); a graded judge gives
 everything between. A pair the judge could not score (a failed request, a reply without a verdict) has no margin
-(NaN): it is left out of the KL, counted, never given a margin of 0.
+(NaN): it is left out of the KL, counted, never given a margin of 0, and asked again when its pair is drawn again.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def judge_margin(chosen: float | None, rejected: float | None, floor: float = JU
 
 class JudgeTeacher:
     """An LLM judge as an outcome RM's distillation teacher: each distinct (prompt, answer) is graded once per run
-    (kept in memory, and in the judge's disk cache across runs), the answer as the judge sees it being the completion
+    (kept in memory, and in the judge's disk cache across runs; a failed request is tried again at the next draw), the answer as the judge sees it being the completion
     outside think blocks, the reference the pair's `solution` where it has one. `options` are `JudgeClient`'s
     (base_url, model, api_key_env, graded, mode, ...). `unscored`: pairs left without a margin so far."""
 
@@ -55,7 +55,7 @@ class JudgeTeacher:
             raise DataError(f"distill.judge needs {sorted(missing)} (the judge's OpenAI-compatible base URL and "
                             f"model name), got {sorted(options)}")
         self.client = JudgeClient(**options)
-        self.scores: dict[tuple, float | None] = {}
+        self.scores: dict[tuple, float] = {}
         self.unscored = 0
 
     def _key(self, pair: dict, answer: str) -> tuple:  # the same answer to the same prompt in two pairs: asked once
@@ -72,8 +72,9 @@ class JudgeTeacher:
                                                      str(p.get("solution", "")), list(p.get("images") or []),
                                                      encoded)
         for key, result in zip(todo, self.client.judge_many(list(todo.values())), strict=True):
-            self.scores[key] = None if result.failed else result.feedback.score
-        out = [judge_margin(self.scores[self._key(p, p["chosen"])], self.scores[self._key(p, p["rejected"])])
+            if not result.failed:
+                self.scores[key] = result.feedback.score
+        out = [judge_margin(self.scores.get(self._key(p, p["chosen"])), self.scores.get(self._key(p, p["rejected"])))
                for p in pairs]
         self.unscored += sum(m != m for m in out)
         return torch.tensor(out, dtype=torch.float32)
