@@ -41,7 +41,8 @@ def test_pairs(n: int, seed: int) -> list[dict]:
 def held_out(run: Path, pairs: list[dict], teacher=None) -> dict:
     """Pairwise accuracy of the RM in `run` on `pairs` (with its interval); with `teacher` (its margins on the same
     pairs, scored once per seed), how often the RM ranks a pair as the teacher does."""
-    from vlmrl.trainer.rm import evaluate_pairs, load_teacher
+    from vlmrl.trainer.rm import evaluate_pairs
+    from vlmrl.trainer.rm_teacher import load_teacher
 
     return evaluate_pairs(load_teacher(str(run)), pairs, 32, teacher)
 
@@ -64,7 +65,7 @@ def run_seed(seed: int, a, out: Path) -> dict:
                         "distill.coef=1.0"],
             "mixed": [f"data.pairs={{task: {TASK}, n: {a.few}}}", f"distill.teacher={teacher}", "distill.coef=0.5"],
             "labels_all": [f"data.pairs={{task: {TASK}, n: {a.pairs}}}"]}
-    from vlmrl.trainer.rm import load_teacher, teacher_margins
+    from vlmrl.trainer.rm_teacher import load_teacher, teacher_margins
 
     taught = teacher_margins(load_teacher(str(teacher)), pairs, 32)
     result = {"seed": seed, "teacher": held_out(teacher, pairs), "arms": {}}
