@@ -53,7 +53,9 @@ def test_a_mixed_batch_counts_each_injected_failure_once():
     assert outcomes(m) == {"verdicts": 1, "http_failures": 4, "no_verdict": 1, "cut_at_max_tokens": 2}
     assert (m["reward/judge/server_errors"], m["reward/judge/connection_errors"], m["reward/judge/refused"],
             m["reward/judge/timeouts"], m["reward/judge/malformed"]) == (1, 1, 1, 1, 0)
-    assert m["reward/judge/requests"] == 8 and m["reward/judge/retries"] == 0 and len(server.requests) == 8
+    # the server saw no more than the 8 attempts (on a loaded machine the one that timed out after 0.6 s may not have
+    # been read by the server before it shut down: the default suite once saw 7)
+    assert m["reward/judge/requests"] == 8 and m["reward/judge/retries"] == 0 and len(server.requests) <= 8
     errors = {answers[i]: d["error"] for i, d in enumerate(out.details["judge"])}
     assert all(e.startswith(f"judge {server.base_url}/chat/completions: ") for e in list(errors.values())[1:])
     assert "no content (content: null" in errors["A3"]
