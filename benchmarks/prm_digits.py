@@ -138,11 +138,19 @@ def evaluate(policy_dir: Path, prm_dir: Path, orm_dir: Path, test_file: Path, ar
     from vlmrl.trainer.prm import row_logits, step_classification
     from vlmrl.trainer.prm_labels import sample_answers, verdicts
 
+    def answered(folder: Path) -> tuple[list, list[bool]]:
+        """args.n sampled answers per held-out prompt from the model in `folder`: [(sample, text, truncated)] in
+        prompt order, and whether each is right."""
+        answers = sample_answers(load_policy(folder), samples, args.n, args.max_new_tokens, 1.0, seed=10_000 + seed)
+        flat = [(s, text, trunc) for s, group in zip(samples, answers, strict=True) for text, trunc in group]
+        return flat, verdicts([s for s, _, _ in flat], [t for _, t, _ in flat], [tr for _, _, tr in flat])
+
+    def summary(groups: list[list[bool]]) -> tuple[float, float, float]:
+        """The mean over prompts of each prompt's share right, and its 95% interval."""
+        return sum(sum(g) / len(g) for g in groups) / len(groups), *accuracy_interval(groups)
+
     samples, _ = build_dataset({"path": str(test_file)}, "test", seed)
-    policy = load_policy(policy_dir)
-    answers = sample_answers(policy, samples, args.n, args.max_new_tokens, 1.0, seed=10_000 + seed)
-    flat = [(s, text, trunc) for s, group in zip(samples, answers, strict=True) for text, trunc in group]
-    right = verdicts([s for s, _, _ in flat], [t for _, t, _ in flat], [tr for _, _, tr in flat])
+    flat, right = answered(policy_dir)
     columns = {k: [s[k] for s, _, _ in flat] for k in ("id", "problem", "solution", "images")}
     columns["completion_truncated"] = [tr for _, _, tr in flat]
     texts = [t for _, t, _ in flat]
@@ -167,9 +175,7 @@ def evaluate(policy_dir: Path, prm_dir: Path, orm_dir: Path, test_file: Path, ar
         per_prompt["pass"].append(any(ok))
     table = {}
     for name, values in per_prompt.items():
-        groups = values if name == "single" else [[v] for v in values]
-        mean = sum(sum(g) / len(g) for g in groups) / len(groups)
-        table[name] = (mean, *accuracy_interval(groups))
+        table[name] = summary(values if name == "single" else [[v] for v in values])
     for a, b in (("prm", "majority"), ("prm", "orm"), ("prm_vote", "majority"),
                  *((("prm_gold", "majority"),) if gold_dir is not None else ())):
         diff = [float(x) - float(y) for x, y in zip(per_prompt[a], per_prompt[b], strict=True)]
@@ -187,15 +193,11 @@ def evaluate(policy_dir: Path, prm_dir: Path, orm_dir: Path, test_file: Path, ar
     result = {"selection": table, "steps": step_classification(probs, gold), "answers": len(flat),
               "prompts": len(samples), "step_auc": roc_auc(probs, gold)}
     if base_dir is not None:  # the stronger model the RMs start from, answering itself: what it would do as the policy
-        base = load_policy(base_dir)
-        own = sample_answers(base, samples, n, args.max_new_tokens, 1.0, seed=10_000 + seed)
-        flat_b = [(s, text, trunc) for s, group in zip(samples, own, strict=True) for text, trunc in group]
-        ok_b = verdicts([s for s, _, _ in flat_b], [t for _, t, _ in flat_b], [tr for _, _, tr in flat_b])
+        flat_b, ok_b = answered(base_dir)
         single = [ok_b[p * n:(p + 1) * n] for p in range(len(samples))]
         major = [[majority_vote([answer_key(t, tr, "number") for _, t, tr in flat_b[p * n:(p + 1) * n]],
                                 ok_b[p * n:(p + 1) * n])] for p in range(len(samples))]
-        result["rm_base"] = {name: (sum(sum(g) / len(g) for g in groups) / len(groups), *accuracy_interval(groups))
-                             for name, groups in (("single", single), ("majority", major))}
+        result["rm_base"] = {"single": summary(single), "majority": summary(major)}
     return result
 
 

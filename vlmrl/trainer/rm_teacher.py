@@ -46,7 +46,7 @@ class JudgeTeacher:
     """An LLM judge as an outcome RM's distillation teacher: each distinct (prompt, answer) is graded once per run
     (kept in memory, and in the judge's disk cache across runs; a failed request is tried again at the next draw), the answer as the judge sees it being the completion
     outside think blocks, the reference the pair's `solution` where it has one. `options` are `JudgeClient`'s
-    (base_url, model, api_key_env, graded, mode, ...). `unscored`: pairs left without a margin so far."""
+    (base_url, model, api_key_env, graded, mode, ...)."""
 
     def __init__(self, options: dict):
         options = dict(options)
@@ -56,7 +56,6 @@ class JudgeTeacher:
                             f"model name), got {sorted(options)}")
         self.client = JudgeClient(**options)
         self.scores: dict[tuple, float] = {}
-        self.unscored = 0
 
     def _key(self, pair: dict, answer: str) -> tuple:  # the same answer to the same prompt in two pairs: asked once
         return (prompt_key(pair), str(pair.get("problem", "")), str(pair.get("solution", "")), answer)
@@ -74,10 +73,9 @@ class JudgeTeacher:
         for key, result in zip(todo, self.client.judge_many(list(todo.values())), strict=True):
             if not result.failed:
                 self.scores[key] = result.feedback.score
-        out = [judge_margin(self.scores.get(self._key(p, p["chosen"])), self.scores.get(self._key(p, p["rejected"])))
-               for p in pairs]
-        self.unscored += sum(m != m for m in out)
-        return torch.tensor(out, dtype=torch.float32)
+        return torch.tensor([judge_margin(self.scores.get(self._key(p, p["chosen"])),
+                                          self.scores.get(self._key(p, p["rejected"]))) for p in pairs],
+                            dtype=torch.float32)
 
 
 def make_teacher(path: str | None, judge: dict | None, process: dict | None = None
