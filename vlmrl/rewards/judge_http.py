@@ -1,7 +1,8 @@
 """One chat-completions request to an OpenAI-compatible server, with the judge's retries, over httpx.
 
 `ChatEndpoint.post(payload, deadline)` sends `payload` to `base_url + "/chat/completions"` and returns the reply's
-`choices[0].message.content` and `finish_reason` (a `Reply`), retrying what a retry can fix:
+`choices[0].message.content` and `finish_reason` (a `Reply`), retrying what a retry can fix (another route, such as a
+served reward model's `/rewards`, gives its `path` and the `parse` that reads its replies):
 
 - 429 after its Retry-After (seconds or an HTTP date, capped at `retry_after_max`), else after the backoff;
   5xx, 408, 409, timeouts, broken connections (a body cut mid-read included) and replies that are not a
@@ -84,11 +85,14 @@ class ChatEndpoint:
 
     def __init__(self, base_url: str, *, api_key: str | None, api_key_env: str | None, timeout: float,
                  max_retries: int, backoff_base: float, backoff_max: float, retry_after_max: float,
-                 connect_window: float, concurrency: int, count: Callable[[str], None]):
+                 connect_window: float, concurrency: int, count: Callable[[str], None],
+                 path: str = "/chat/completions", parse: Callable[[bytes, int], Any] | None = None,
+                 what: str = "judge"):
         import httpx
 
         self.base_url = base_url.rstrip("/")
-        self.url = self.base_url + "/chat/completions"
+        self.url = self.base_url + path
+        self.parse, self.what = parse or chat_reply, what  # another route: its reply parser (None: malformed)
         self.api_key_env, self.timeout, self.max_retries = api_key_env, timeout, max_retries
         self.backoff_base, self.backoff_max, self.retry_after_max = backoff_base, backoff_max, retry_after_max
         self.connect_window, self.count = connect_window, count
@@ -101,9 +105,15 @@ class ChatEndpoint:
 
     def models(self) -> list[str]:
         """The model ids `GET base_url/models` lists (raises httpx's errors, or KeyError/TypeError on another body)."""
-        return [m["id"] for m in self._http.get(self.base_url + "/models").json()["data"]]
+        return [m["id"] for m in self.get_json("/models")["data"]]
 
-    def post(self, payload: dict, deadline: float | None = None) -> Reply:
+    def get_json(self, route: str, timeout: float | None = None) -> Any:
+        """`GET base_url + route`'s JSON body, once (raises httpx's errors, or ValueError on another body)."""
+        response = self._http.get(self.base_url + route, timeout=timeout or self.timeout)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, payload: dict, deadline: float | None = None) -> Any:
         """The reply to `payload`, retrying as the module docstring says. Raises JudgeError when the retries are
         spent, JudgeRefused on a 4xx, DeadlinePassed when `deadline` came first, JudgeAuthError on 401/403."""
         import httpx
@@ -112,7 +122,7 @@ class ChatEndpoint:
         while True:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
-                raise DeadlinePassed(f"judge {self.url}: the batch deadline passed after {attempts} attempts; "
+                raise DeadlinePassed(f"{self.what} {self.url}: the batch deadline passed after {attempts} attempts; "
                                      f"last: {error}", attempts)
             if attempts:
                 self.count("retries")
@@ -140,18 +150,19 @@ class ChatEndpoint:
             if not (refused and self._in_connect_window()):
                 spent += 1
                 if spent > self.max_retries:
-                    raise JudgeError(f"judge {self.url}: gave up after {attempts} attempts; last: {error}", attempts)
+                    raise JudgeError(f"{self.what} {self.url}: gave up after {attempts} attempts; last: {error}",
+                                     attempts)
             if deadline is not None:
                 delay = min(delay, max(0.0, deadline - time.monotonic()))
             time.sleep(delay)
 
-    def _read(self, response: httpx.Response, attempts: int, delay: float) -> tuple[Reply | None, str, float]:
-        """(the reply, "", delay) for a chat completion, else (None, why, the delay before the next attempt);
-        raises for what is not retried."""
+    def _read(self, response: httpx.Response, attempts: int, delay: float) -> tuple[Any, str, float]:
+        """(the reply, "", delay) for a chat completion (what `parse` reads), else (None, why, the delay before the
+        next attempt); raises for what is not retried."""
         status = response.status_code
         if status in (401, 403):
             where = f"the key in ${self.api_key_env}" if self.api_key_env else "api_key_env (no key was sent)"
-            raise JudgeAuthError(f"judge {self.url}: HTTP {status} (key refused); check {where}")
+            raise JudgeAuthError(f"{self.what} {self.url}: HTTP {status} (key refused); check {where}")
         if status == 429:
             self.count("rate_limited")
             wait = retry_after(response.headers.get("retry-after"))
@@ -163,8 +174,8 @@ class ChatEndpoint:
             self.count("refused")
             message = (f"redirected to {response.headers.get('location')}" if status < 400
                        else error_message(response.content))
-            raise JudgeRefused(f"judge {self.url}: HTTP {status}: {message}", attempts, status, message)
-        reply = chat_reply(response.content, attempts)
+            raise JudgeRefused(f"{self.what} {self.url}: HTTP {status}: {message}", attempts, status, message)
+        reply = self.parse(response.content, attempts)
         if reply is None:
             self.count("malformed")
             return None, f"malformed reply: {response.content[:120].decode(errors='replace')!r}", delay

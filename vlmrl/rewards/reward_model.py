@@ -3,10 +3,12 @@ makes one).
 
     rewards:
       - {name: reward_model, path: runs/rm}          # a run of `vlmrl rm train`, or its checkpoint-N folder
+      - {name: reward_model, path: http://rm-host:8000/v1}   # or that RM served by `vlmrl serve runs/rm`
 
 The RM is loaded once per process and scores a batch in chunks of `batch_size` answers in the trainer's process, on
-the trainer's device (`vlmrl train` binds it, `bind_reward_models`; elsewhere the current CUDA device when one is
-set up, else the CPU). Each prompt is rendered with the template the RM was trained with, its images included.
+the trainer's device (`vlmrl train` binds it, `bind_reward_models`; elsewhere the current CUDA device when one is set
+up, else the CPU), or on the server that serves it (vlmrl.rewards.served_rm: its own device or machine, shared by
+every trainer process). Each prompt is rendered with the template the RM was trained with, its images included.
 
 Refusals, said once and plainly:
 - `vlmrl train` refuses, before any training step, an RM whose tokenizer's vocabulary is not the policy's: it would
@@ -26,6 +28,7 @@ from vlmrl.errors import ConfigError
 from vlmrl.models.preflight import resolve_model
 from vlmrl.rewards.columns import per_sample
 from vlmrl.rewards.registry import RewardBatch, RewardFailure, RewardSpec, register_reward
+from vlmrl.rewards.served_rm import is_served, served_reward_model
 from vlmrl.rewards.verifiable import ANSWER_TYPES
 
 if TYPE_CHECKING:
@@ -65,11 +68,11 @@ def get_reward_model(path: str | Path, device: str | None = None, dtype: str = "
         return _MODELS[key]
 
 
-def check_vocabulary(rm: RewardModel, tokenizer, where: str) -> None:
-    """ConfigError when the RM's tokenizer (its reward_model.json fingerprint) is not `tokenizer`'s."""
+def check_vocabulary(mine: dict, tokenizer, where: str) -> None:
+    """ConfigError when an RM's tokenizer (`mine`: its reward_model.json fingerprint) is not `tokenizer`'s."""
     from vlmrl.models.reward_model import vocabulary_fingerprint
 
-    mine, theirs = rm.info["vocabulary"], vocabulary_fingerprint(tokenizer)
+    theirs = vocabulary_fingerprint(tokenizer)
     if mine != theirs:
         raise ConfigError(
             f"{where}: the reward model's tokenizer is not the policy's (vocabulary of {mine['size']} tokens, "
@@ -90,17 +93,23 @@ def bind_reward_models(specs: list[RewardSpec], policy) -> None:
             raise ConfigError(f"rewards[{i}] ({spec.key}): reward_model needs kwargs.path, the folder of an RM "
                               "trained by `vlmrl rm train` (or its run directory)")
         spec.kwargs.setdefault("device", str(policy.family.device))
-        for path in member_paths(spec.kwargs["path"]):
-            rm = get_reward_model(path, spec.kwargs["device"], spec.kwargs.get("dtype", "float32"))
-            if spec.kwargs.get("same_tokenizer", True):
-                check_vocabulary(rm, policy.processor.tokenizer, f"rewards[{i}] ({spec.key}) {path}")
+        kw = spec.kwargs
+        for path in member_paths(kw["path"]):
+            if is_served(path):  # asks the server's /info: its kind and tokenizer
+                info = served_reward_model(path, kw.get("model"), kw.get("api_key_env"), kw.get("timeout", 120.0),
+                                           kw.get("concurrency", 4)).info
+            else:
+                info = get_reward_model(path, kw["device"], kw.get("dtype", "float32")).info
+            if kw.get("same_tokenizer", True):
+                check_vocabulary(info["vocabulary"], policy.processor.tokenizer,
+                                 f"rewards[{i}] ({spec.key}) {path}")
 
 
 ENSEMBLES = ("mean", "min")
 
 
 def member_paths(path: str | list[str]) -> list[str]:
-    """The RM folders of a `path` kwarg: one, or a list (an ensemble)."""
+    """The RM folders (or served RMs' URLs) of a `path` kwarg: one, or a list (an ensemble)."""
     paths = [path] if isinstance(path, (str, Path)) else list(path)
     if not paths or not all(isinstance(p, (str, Path)) for p in paths):
         raise ConfigError(f"reward_model: path must be an RM folder or a list of them (an ensemble), got {path!r}")
@@ -110,12 +119,18 @@ def member_paths(path: str | list[str]) -> list[str]:
 @register_reward(NAME, inline=True, grades=ANSWER_TYPES)
 def reward_model_reward(completions: list[str], *, path: str | list[str], batch_size: int = 16,
                         device: str | None = None, dtype: str = "float32", same_tokenizer: bool = True,
-                        ensemble: str = "mean", disagreement_coef: float = 0.0, images: list[Any] | None = None,
-                        completion_truncated: list[bool] | None = None, **columns: Any) -> list[Any]:
+                        ensemble: str = "mean", disagreement_coef: float = 0.0, model: str | None = None,
+                        api_key_env: str | None = None, timeout: float = 120.0, concurrency: int = 4,
+                        images: list[Any] | None = None, completion_truncated: list[bool] | None = None,
+                        **columns: Any) -> list[Any]:
     """The RM's score of each answer, from the RM at `path`: an outcome RM's scalar (unbounded; Bradley-Terry gives
     it meaning only as a difference between answers to one prompt, which is what group advantages use), or a process
     RM's step probabilities aggregated as its reward_model.json says (in [0, 1]; an answer without reasoning steps
     is a RewardFailure, counted in reward/reward_model/no_steps).
+
+    `path` the URL of an RM served by `vlmrl serve RM_FOLDER` (http://HOST:PORT/v1): the RM runs there, on its own
+    device or machine, and scores each batch in requests of `batch_size` answers, `concurrency` at a time
+    (vlmrl.rewards.served_rm; `model`, `api_key_env`, `timeout` as for the judge).
 
     `path` a list: an ensemble of RMs (e.g. trained on other seeds or pairs), combined per answer as `ensemble`
     says, "mean" minus `disagreement_coef` x their standard deviation (uncertainty-weighted optimisation, Coste et
@@ -133,7 +148,10 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
     image_lists = per_sample(images, n, None)
     samples = [{**{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n},
                 "images": image_lists[i] or []} for i in range(n)]
-    members = [_member_scores(get_reward_model(p, device, dtype), p, completions, samples, truncated, batch_size)
+    members = [served_reward_model(p, model, api_key_env, timeout, concurrency).scores(completions, samples,
+                                                                                       truncated, batch_size)
+               if is_served(p) else
+               member_scores(get_reward_model(p, device, dtype), p, completions, samples, truncated, batch_size)
                for p in member_paths(path)]
     values: list[Any] = []
     spreads = []
@@ -167,22 +185,25 @@ def text_step_logits(rm: RewardModel, prompts, rows, texts: list[str], finished:
     return rm.step_logits(prompts, rows, ids, mask, step_token_spans(rm.policy, texts, spans))
 
 
-def answer_scores(rm: RewardModel, prompts, rows, texts: list[str], finished: list[bool]) -> list[float | None]:
-    """Each answer's score: an outcome RM's scalar, or a process RM's step probabilities (sigmoid of its step
-    logits) aggregated as its reward_model.json says (None for an answer without reasoning steps)."""
+def answer_scores(rm: RewardModel, prompts, rows, texts: list[str], finished: list[bool]
+                  ) -> tuple[list[float | None], list[list[float]] | None]:
+    """(each answer's score, a process RM's step probabilities per answer or None for an outcome RM): an outcome
+    RM's scalar, or a process RM's step probabilities (sigmoid of its step logits) aggregated as its
+    reward_model.json says (None for an answer without reasoning steps)."""
     import torch
 
     from vlmrl.models.reward_model import aggregate_steps, answer_ids
 
     if rm.kind == "outcome":
-        return rm.score(prompts, rows, *answer_ids(rm.policy, texts, finished)).tolist()
-    logits = text_step_logits(rm, prompts, rows, texts, finished)
-    return [aggregate_steps(torch.sigmoid(x).tolist(), rm.info["process"]["aggregate"]) for x in logits]
+        return rm.score(prompts, rows, *answer_ids(rm.policy, texts, finished)).tolist(), None
+    steps = [torch.sigmoid(x).tolist() for x in text_step_logits(rm, prompts, rows, texts, finished)]
+    return [aggregate_steps(p, rm.info["process"]["aggregate"]) for p in steps], steps
 
 
-def _member_scores(rm: RewardModel, path: str, completions: list[str], samples: list[dict], truncated: list[bool],
-                   batch_size: int) -> list[Any]:
-    """One RM's score (or RewardFailure) of each answer, in chunks of `batch_size`."""
+def member_scores(rm: RewardModel, path: str, completions: list[str], samples: list[dict], truncated: list[bool],
+                  batch_size: int, steps: list | None = None) -> list[Any]:
+    """One RM's score (or RewardFailure) of each answer, in chunks of `batch_size`; with `steps` (a list of None,
+    one per answer), a process RM's step probabilities of each scored answer are put in it too."""
     import torch
 
     from vlmrl.models.reward_model import answer_ids
@@ -207,9 +228,12 @@ def _member_scores(rm: RewardModel, path: str, completions: list[str], samples: 
             continue
         texts = [str(completions[rows[j]]) for j in keep]
         with torch.no_grad():
-            scores = answer_scores(rm, prompts, torch.arange(len(keep)), texts, [not truncated[rows[j]] for j in keep])
-        for j, value in zip(keep, scores, strict=True):
+            scores, probs = answer_scores(rm, prompts, torch.arange(len(keep)), texts,
+                                          [not truncated[rows[j]] for j in keep])
+        for k, (j, value) in enumerate(zip(keep, scores, strict=True)):
             values[rows[j]] = RewardFailure(NO_STEPS) if value is None else value
+            if steps is not None and probs is not None and value is not None:
+                steps[rows[j]] = probs[k]
     return values
 
 

@@ -14,11 +14,14 @@ A generative checkpoint (a run directory, RUN_DIR/checkpoint-N, a model folder o
 OpenAI-compatible API: POST /v1/chat/completions (text and image_url parts, n, temperature, top_p, max_tokens, stop,
 seed, stream), GET /v1/models, GET /healthz, the schema at /docs. Concurrent requests are batched into one
 generation call. A two-tower (ReCLIP) student gets POST /v1/embeddings and, with --index, POST /v1/search, GET
-/v1/info and a search page at /.
+/v1/info and a search page at /. A reward model (`vlmrl rm train`) gets POST /v1/rewards (answers scored, as the
+`reward_model` reward scores them in a trainer) and GET /v1/info: a recipe uses it as
+`{name: reward_model, path: http://HOST:PORT/v1}`.
 
 Examples:
   vlmrl serve runs/quickstart                                   # the quickstart's newest checkpoint
   vlmrl serve runs/reclip/student --index gallery.index          # search a folder indexed with `vlmrl index build`
+  vlmrl serve runs/rm --port 8100 --device cuda:1                # a reward model on its own GPU, for every trainer
   VLMRL_API_KEY=secret vlmrl serve runs/quickstart --host 0.0.0.0 --api-key-env VLMRL_API_KEY
 Any OpenAI client works: OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused").chat.completions.create(...)"""
 
@@ -61,8 +64,9 @@ def add_parser(subparsers: Any) -> None:
     s = subparsers.add_parser("serve", help="serve a checkpoint (OpenAI-compatible chat) or a student (embeddings, "
                                             "search)", description=SERVE_HELP,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    s.add_argument("model", help="a generative run directory / checkpoint / model folder / hub name, or a two-tower "
-                                 "student folder (or a ReCLIP run directory holding student/)")
+    s.add_argument("model", help="a generative run directory / checkpoint / model folder / hub name, a two-tower "
+                                 "student folder (or a ReCLIP run directory holding student/), or a reward model "
+                                 "(a `vlmrl rm train` run or its checkpoint)")
     s.add_argument("--index", help="a folder written by `vlmrl index build` (student only): adds /v1/search and /")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback only)")
     s.add_argument("--port", type=int, default=8000)
@@ -73,7 +77,8 @@ def add_parser(subparsers: Any) -> None:
                    help="weights dtype (default: the recipe's model.dtype, else float32)")
     s.add_argument("--threads", type=int, default=0,
                    help="torch CPU threads (default: torch's own); 1 serves best on a CPU shared with other work")
-    s.add_argument("--max-batch", type=int, default=16, help="answers (chat) or inputs (embeddings) per model call")
+    s.add_argument("--max-batch", type=int, default=16,
+                   help="answers (chat, rewards) or inputs (embeddings) per model call")
     s.add_argument("--max-batch-tokens", type=int, default=65_536,
                    help="chat: answers x (longest prompt + largest max_tokens) per generation call (KV cache bound)")
     s.add_argument("--prompt-template", default=None,
@@ -85,7 +90,7 @@ def add_parser(subparsers: Any) -> None:
     s.add_argument("--max-upload-mb", type=float, default=20.0, help="request body limit (413 above it)")
     s.add_argument("--timeout", type=float, default=300.0, help="seconds a request may wait for its result (504)")
     s.add_argument("--max-queue", type=int, default=64,
-                   help="chat: requests that may wait for the model; past it a 503 with Retry-After")
+                   help="chat, rewards: requests that may wait for the model; past it a 503 with Retry-After")
     s.add_argument("--max-queue-mb", type=float, default=512.0,
                    help="MiB all requests in the server may hold together: bodies, images being decoded, processed "
                         "inputs (503 with Retry-After past it; the server's peak is about its size after start-up "
@@ -105,7 +110,8 @@ def add_parser(subparsers: Any) -> None:
                    help="open connections; one more gets a 503 and is closed at once")
     s.add_argument("--shutdown-timeout", type=float, default=5.0,
                    help="seconds SIGTERM waits for requests in flight before it cancels them")
-    s.add_argument("--max-inputs", type=int, default=256, help="embeddings: the most texts and images in one request")
+    s.add_argument("--max-inputs", type=int, default=256,
+                   help="embeddings: the most texts and images in one request; rewards: the most answers")
     s.add_argument("--max-top-k", type=int, default=100, help="search: the largest top_k")
     s.set_defaults(func=cmd_serve)
 
@@ -163,7 +169,17 @@ def cmd_serve(args) -> int:
 
         torch.set_num_threads(args.threads)
     student = student_folder(args.model)
-    if student is not None:
+    from vlmrl.serve.rewards import is_reward_model
+
+    if is_reward_model(args.model):
+        if args.index:
+            raise ConfigError(f"--index {args.index}: search needs a two-tower student, and {args.model} is a reward "
+                              "model")
+        from vlmrl.serve.rewards import build_reward_app
+
+        app = build_reward_app(args.model, limits=limits, api_key=key, model_name=args.model_name,
+                               device=args.device, dtype=args.dtype)
+    elif student is not None:
         from vlmrl.serve.embed import build_embed_app
 
         app = build_embed_app(student, index=args.index, limits=limits, api_key=key, model_name=args.model_name,

@@ -1,0 +1,105 @@
+"""A reward model served by `vlmrl serve RM` on another device, process or machine, as a `reward_model` member:
+
+    rewards:
+      - {name: reward_model, path: http://rm-host:8000/v1}        # `vlmrl serve runs/rm --host 0.0.0.0 ...`
+
+Each batch of answers goes to the server's `POST /v1/rewards` in requests of `batch_size` answers, up to
+`concurrency` at a time, with the judge's retries (vlmrl.rewards.judge_http: backoff, Retry-After, a server still
+starting); an answer is scored as the in-process `reward_model` scores it (the sample's text columns and its images
+as PNG data URLs travel with it). The client asks `GET /v1/info` once: the RM's kind and tokenizer fingerprint, so
+`vlmrl train` refuses an RM whose tokenizer is not the policy's before any step, as it does for a folder.
+
+An answer the server could not score (its `error`), or every answer of a request whose retries are spent, is a
+RewardFailure that says why: counted in reward/reward_model/failures, it trains nothing. A refused key (401/403)
+stops the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from vlmrl.errors import ConfigError
+from vlmrl.rewards.registry import RewardFailure
+
+_CLIENTS: dict[tuple[str, str | None], ServedRewardModel] = {}
+_LOCK = threading.Lock()
+
+
+def is_served(path: Any) -> bool:
+    return isinstance(path, str) and path.startswith(("http://", "https://"))
+
+
+def rewards_reply(raw: bytes, attempts: int) -> list[dict] | None:
+    """The `data` of a /v1/rewards reply (None for another body: retried as malformed)."""
+    try:
+        data = json.loads(raw)["data"]
+        return data if isinstance(data, list) and all(isinstance(d, dict) and "score" in d for d in data) else None
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class ServedRewardModel:
+    """The client of one served RM (module docstring); `info` is its GET /v1/info."""
+
+    def __init__(self, base_url: str, model: str | None = None, api_key_env: str | None = None,
+                 timeout: float = 120.0, concurrency: int = 4, max_retries: int = 3):
+        from vlmrl.rewards.judge_http import ChatEndpoint
+
+        api_key = os.environ.get(api_key_env) if api_key_env else None
+        if api_key_env and not api_key:
+            raise ConfigError(f"reward_model api_key_env={api_key_env}: that environment variable is not set")
+        self.endpoint = ChatEndpoint(base_url, api_key=api_key, api_key_env=api_key_env, timeout=timeout,
+                                     max_retries=max_retries, backoff_base=0.5, backoff_max=10.0, retry_after_max=30.0,
+                                     connect_window=120.0, concurrency=concurrency, count=lambda _name: None,
+                                     path="/rewards", parse=rewards_reply, what="reward model")
+        try:
+            self.info = self.endpoint.get_json("/info", timeout=min(30.0, timeout))
+            served = self.info["model"]
+        except Exception as exc:  # noqa: BLE001 - any failure is reported the same way
+            raise ConfigError(f"reward_model path {base_url}: GET /info failed ({exc}); is an RM served there "
+                              "(`vlmrl serve RM_FOLDER`), and does the URL end in /v1?") from None
+        if model is not None and model != served:
+            raise ConfigError(f"reward_model path {base_url} serves {served!r}, not model={model!r}")
+        self.model = served
+        self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="vlmrl-rm-client")
+
+    def scores(self, completions: list[str], samples: list[dict], truncated: list[bool],
+               batch_size: int) -> list[Any]:
+        """Each answer's score, or a RewardFailure saying why it has none."""
+        from vlmrl.rewards.judge import encode_image
+
+        items = [{"sample": {k: v for k, v in s.items() if isinstance(v, str)},
+                  "images": [encode_image(im, max_bytes=2**30) for im in s.get("images") or []],
+                  "completion": str(c), "finished": not t}
+                 for c, s, t in zip(completions, samples, truncated, strict=True)]
+        chunks = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+        values: list[Any] = []
+        for chunk, reply in zip(chunks, self._pool.map(self._post, chunks), strict=True):
+            values += reply if isinstance(reply, list) else [reply] * len(chunk)
+        return values
+
+    def _post(self, items: list[dict]) -> list[Any] | RewardFailure:
+        from vlmrl.rewards.judge_http import JudgeError
+
+        try:
+            data = self.endpoint.post({"model": self.model, "items": items})
+        except JudgeError as exc:  # retries spent, or a refusal (4xx): these answers have no score
+            return RewardFailure(str(exc))
+        if len(data) != len(items):
+            return RewardFailure(f"reward model {self.endpoint.url}: {len(data)} scores for {len(items)} answers")
+        return [RewardFailure(f"reward model {self.endpoint.url}: {d.get('error') or 'no score'}")
+                if d["score"] is None else float(d["score"]) for d in data]
+
+
+def served_reward_model(url: str, model: str | None = None, api_key_env: str | None = None,
+                        timeout: float = 120.0, concurrency: int = 4) -> ServedRewardModel:
+    """The process-wide client of the RM served at `url` (made once: it asks /info)."""
+    key = (url.rstrip("/"), model)
+    with _LOCK:
+        if key not in _CLIENTS:
+            _CLIENTS[key] = ServedRewardModel(url, model, api_key_env, timeout, concurrency)
+        return _CLIENTS[key]
