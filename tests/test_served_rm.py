@@ -170,3 +170,27 @@ def test_a_training_run_with_a_served_rm_is_the_run_with_the_local_one(trained_r
         assert b["reward/reward_model/failures"] == 0 and b["reward/reward_model/count"] > 0
         assert b["reward/reward_model/mean"] == pytest.approx(a["reward/reward_model/mean"], abs=1e-5)
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
+
+
+@pytest.mark.slow  # ~1 min: one process with the RM in it, torchrun x2 with the RM served
+def test_torchrun_ranks_sharing_a_served_rm_end_where_one_process_with_the_rm_does(trained_rm, served_rm,  # noqa: F811
+                                                                                  tiny_model_dir, tmp_path):
+    """Both ranks send their answers to one served RM (a process of its own) and the 2-rank DDP run ends where one
+    process scoring with the RM itself does."""
+    from tests.test_distributed import assert_matches, run
+    from tests.test_reward_model import weights_of
+
+    def extra(path):
+        return (f"model.name_or_path={tiny_model_dir}", "sft.steps=0",
+                f"rewards=[{{name: reward_model, path: '{path}'}}, {{name: accuracy, weight: 0}}]")
+
+    one = run(tmp_path, "single", "none", 1, extra=extra(trained_rm["run_dir"]))
+    floor = run(tmp_path, "single-mb1", "none", 1, extra=(*extra(trained_rm["run_dir"]), "trainer.micro_batch=1"))
+    two = run(tmp_path, "served", "ddp", 2, extra=extra(served_rm))
+    start = weights_of(tmp_path / "single" / "checkpoint-0")
+    assert max((one[k] - start[k]).abs().max().item() for k in one) > 1e-3  # the RM's reward moved the weights
+    assert_matches(one, two, floor)
+    rows = [json.loads(x) for x in (tmp_path / "served" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if r["phase"] == "train"]
+    assert len(steps) == 2 and all(r["reward/reward_model/failures"] == 0 and r["reward/reward_model/count"] > 0
+                                   for r in steps)
