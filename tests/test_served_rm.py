@@ -54,7 +54,7 @@ def test_a_served_outcome_rm_scores_what_the_local_one_does(trained_rm, served_r
     remote = _scores(served_rm, answers, columns, batch_size=3, concurrency=2)
     mine, theirs = local.components["reward_model"], remote.components["reward_model"]
     assert theirs[3] is None and mine[3] is None and remote.failures["reward_model"] == 1
-    assert "scores at most 16" in remote.errors["reward_model"]
+    assert "scores at most 16" in remote.errors["reward_model"] and remote.extra["reward_model"]["too_long"] == 1
     assert theirs[:3] + theirs[4:] == pytest.approx(mine[:3] + mine[4:], abs=1e-5)
     assert len(set(mine)) > 3  # the images and answers matter: not one score for everything
 
@@ -68,6 +68,7 @@ def test_a_served_process_rm_returns_its_step_probabilities(trained_prm):  # noq
         remote = _scores(f"{url}/v1", answers, columns)
         assert remote.components["reward_model"][:2] == pytest.approx(local[:2], abs=1e-5)
         assert remote.components["reward_model"][2] is None and "no reasoning steps" in remote.errors["reward_model"]
+        assert remote.extra["reward_model"] == {"too_long": 0.0, "no_steps": 1.0}
         from vlmrl.rewards.judge import encode_image
 
         items = [{"sample": {"problem": columns["problem"][0]}, "completion": a,
@@ -124,15 +125,16 @@ def test_what_the_server_refuses_is_a_counted_failure_and_a_refused_key_stops(tr
 
 
 def test_a_server_that_went_away_leaves_answers_unscored_not_guessed(trained_rm):  # noqa: F811
-    rm = get_reward_model(trained_rm["run_dir"], "cpu")
-    from vlmrl.rewards.served_rm import ServedRewardModel
+    from vlmrl.rewards.served_rm import served_reward_model
 
+    rm = get_reward_model(trained_rm["run_dir"], "cpu")
     with running(reward_app(rm, "gone")) as url:
-        client = ServedRewardModel(f"{url}/v1", timeout=2.0, max_retries=1)
-        client.endpoint.connect_window = 0.5
-    values = client.scores(["<answer>1</answer>"] * 3, [{"problem": "x", "images": []}] * 3, [False] * 3, 2)
-    assert all(v.__class__.__name__ == "RewardFailure" for v in values)
-    assert "connection failed" in values[0].reason
+        client = served_reward_model(f"{url}/v1", timeout=2.0)  # the run's client, made while the server was up
+        client.endpoint.max_retries, client.endpoint.connect_window = 1, 0.5
+    out = _scores(f"{url}/v1", ["<answer>1</answer>"] * 3, _columns(1, repeat=3), timeout=2.0, batch_size=2)
+    assert out.components["reward_model"] == [None] * 3 and out.failures["reward_model"] == 3
+    assert "connection failed" in out.errors["reward_model"]
+    assert out.extra["reward_model"] == {"too_long": 0.0, "no_steps": 0.0}  # neither: a failure only
 
 
 def test_concurrent_trainers_share_one_served_rm(trained_rm, served_rm):  # noqa: F811

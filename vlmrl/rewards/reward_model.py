@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 NAME = "reward_model"
 NO_STEPS = "no reasoning steps: a process reward model scores an answer by its steps"
+TOO_LONG = ("max_answer_tokens", "max_prompt_length")  # what the reason of an answer or prompt too long names
 _MODELS: dict[tuple[str, str, str], RewardModel] = {}
 _LOCK = threading.Lock()
 
@@ -164,8 +165,9 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
         spread = (sum((v - mean) ** 2 for v in scores) / len(scores)) ** 0.5
         spreads.append(spread)
         values.append(min(scores) if ensemble == "min" else mean - disagreement_coef * spread)
-    too_long = sum(isinstance(v, RewardFailure) and v.reason != NO_STEPS for v in values)
-    no_steps = sum(isinstance(v, RewardFailure) and v.reason == NO_STEPS for v in values)
+    # (a served RM's reasons carry its URL first; a request that failed is neither of these, only a failure)
+    too_long = sum(isinstance(v, RewardFailure) and any(k in v.reason for k in TOO_LONG) for v in values)
+    no_steps = sum(isinstance(v, RewardFailure) and v.reason.endswith(NO_STEPS) for v in values)
     extra = {"too_long": float(too_long), "no_steps": float(no_steps)}
     if len(members) > 1 and spreads:
         extra["disagreement"] = sum(spreads) / len(spreads)
