@@ -258,6 +258,15 @@ def test_vlmrl_train_refuses_the_rm_before_a_step(trained_rm, other_vocabulary_d
     assert not run.exists()  # refused before a training step: the run directory is removed
 
 
+def test_vlmrl_eval_refuses_the_rm_before_it_generates(trained_rm, other_vocabulary_dir, capsys):
+    from vlmrl.cli import main
+
+    assert main(["eval", str(other_vocabulary_dir), f"rewards=[{{name: reward_model, path: {trained_rm['run_dir']}}}]",
+                 "--data", "shapes_count", "--n", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer is not the policy's" in err and "eval T=" not in err
+
+
 def test_a_score_does_not_depend_on_the_answers_batched_with_it(trained_rm):
     """The head reads each row's own last real token: padding after a short answer (beside a long one) and the
     other rows change nothing."""

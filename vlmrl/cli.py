@@ -97,6 +97,9 @@ def cmd_eval(args) -> int:
     policy = load_policy(ckpt, cfg.model.dtype, cfg.model.device, cfg.model.min_pixels, cfg.model.max_pixels,
                          cfg.model.autocast)
     rewards = reward_specs(cfg)
+    from vlmrl.rewards.reward_model import bind_reward_models
+
+    bind_reward_models(rewards, policy)  # a learned reward: on the policy's device, its tokenizer the policy's
     solved = Solved.from_config(cfg)  # what training counted as right
     results, full, evaluations = {}, {}, []
     progress = BarProgress()
