@@ -58,7 +58,8 @@ def write_data(out: Path, args, seed: int) -> dict[str, Path]:
     files = {}
     for part, n, split, data_seed in (("sft", args.sft, "train", 1000 + seed), ("label", args.label, "train", seed),
                                       ("test", args.test, "test", seed)):
-        rows = make_task("digits_sum", n, split, seed=data_seed, num_digits=tuple(args.num_digits),
+        digits = {"label": args.label_digits, "test": args.test_digits}.get(part) or args.num_digits
+        rows = make_task("digits_sum", n, split, seed=data_seed, num_digits=tuple(digits),
                          style=args.style)
         for r in rows:
             r["steps"] = "\n".join(gold_steps(r["digits"], args.format))
@@ -310,6 +311,11 @@ def main() -> None:
     p.add_argument("--label", type=int, default=2000, help="training prompts whose answers get step labels")
     p.add_argument("--num-digits", type=int, nargs=2, default=[2, 3], metavar=("LOW", "HIGH"),
                    help="digits per image (the task's num_digits): more digits, longer chains, fewer repeated sums")
+    p.add_argument("--label-digits", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                   help="digits per image of the prompts the RMs learn from (default: --num-digits); with "
+                        "--test-digits, RMs trained on short chains judge longer ones (easy-to-hard)")
+    p.add_argument("--test-digits", type=int, nargs=2, metavar=("LOW", "HIGH"),
+                   help="digits per image of the held-out prompts (default: --num-digits)")
     p.add_argument("--style", choices=["handwritten", "printed"], default="handwritten",
                    help="the task's digits: handwritten (reading is the hard part) or printed (the adding is)")
     p.add_argument("--format", choices=["lines", "running"], default="lines",
