@@ -72,21 +72,38 @@ class ServedRewardModel:
         """Each answer's score, or a RewardFailure saying why it has none."""
         from vlmrl.rewards.judge import encode_image
 
-        items = [{"sample": {k: v for k, v in s.items() if isinstance(v, str)},
-                  "images": [encode_image(im, max_bytes=2**30) for im in s.get("images") or []],
-                  "completion": str(c), "finished": not t}
-                 for c, s, t in zip(completions, samples, truncated, strict=True)]
-        chunks = [items[i:i + batch_size] for i in range(0, len(items), batch_size)]
+        encoded: dict[int, str] = {}  # an image shared by a prompt's answers is encoded once
+
+        def url(image) -> str:
+            if id(image) not in encoded:
+                encoded[id(image)] = encode_image(image, max_bytes=2**30)  # PNG: the trainer's pixels exactly
+            return encoded[id(image)]
+
+        bodies = []
+        for start in range(0, len(completions), batch_size):
+            prompts: dict[str, int] = {}  # a prompt's text columns and images -> its index in this request
+            body: dict[str, Any] = {"model": self.model, "prompts": [], "items": []}
+            for c, s, t in zip(completions[start:start + batch_size], samples[start:start + batch_size],
+                               truncated[start:start + batch_size], strict=True):
+                prompt = {"sample": {k: v for k, v in s.items() if isinstance(v, str)},
+                          "images": [url(im) for im in s.get("images") or []]}
+                key = json.dumps(prompt, sort_keys=True)
+                if key not in prompts:
+                    prompts[key] = len(body["prompts"])
+                    body["prompts"].append(prompt)
+                body["items"].append({"prompt": prompts[key], "completion": str(c), "finished": not t})
+            bodies.append(body)
         values: list[Any] = []
-        for chunk, reply in zip(chunks, self._pool.map(self._post, chunks), strict=True):
-            values += reply if isinstance(reply, list) else [reply] * len(chunk)
+        for body, reply in zip(bodies, self._pool.map(self._post, bodies), strict=True):
+            values += reply if isinstance(reply, list) else [reply] * len(body["items"])
         return values
 
-    def _post(self, items: list[dict]) -> list[Any] | RewardFailure:
+    def _post(self, body: dict) -> list[Any] | RewardFailure:
         from vlmrl.rewards.judge_http import JudgeError
 
+        items = body["items"]
         try:
-            data = self.endpoint.post({"model": self.model, "items": items})
+            data = self.endpoint.post(body)
         except JudgeError as exc:  # retries spent, or a refusal (4xx): these answers have no score
             return RewardFailure(str(exc))
         if len(data) != len(items):

@@ -1,10 +1,10 @@
 """`vlmrl serve RM` for a reward model trained by `vlmrl rm train`: the RM on its own device, process or machine,
 scoring answers for any number of trainer processes (`{name: reward_model, url: http://HOST:8000/v1}`).
 
-- `POST /v1/rewards`: `{"model": NAME, "items": [{"sample": {"problem": ..., other text columns}, "images":
-  [data URLs], "completion": TEXT, "finished": true}, ...]}` -> `{"object": "list", "model", "kind", "data":
-  [{"index": i, "score": float or null, "steps": [floats] (a process RM's step probabilities) or null, "error":
-  why the item has no score, or null}]}`. An item is scored exactly as the `reward_model` reward scores it in the
+- `POST /v1/rewards`: `{"model": NAME, "prompts": [{"sample": {"problem": ..., other text columns}, "images":
+  [data URLs]}, ...], "items": [{"prompt": INDEX, "completion": TEXT, "finished": true}, ...]}` (a prompt sent once
+  for all of its answers) -> `{"object": "list", "model", "kind", "data": [{"index": i, "score": float or null,
+  "steps": [floats] (a process RM's step probabilities) or null, "error": why the item has no score, or null}]}`. An item is scored exactly as the `reward_model` reward scores it in the
   trainer's own process: the prompt is the sample through the RM's own template (`reward_model.json`), the answer
   is tokenised with special tokens split (a client's `<|im_end|>` is text), and `finished` says whether it ended
   with the end-of-turn token. An item the RM cannot score (too long, no reasoning steps for a process RM, a sample
@@ -14,7 +14,7 @@ scoring answers for any number of trainer processes (`{name: reward_model, url: 
 
 Requests are scored one at a time in one worker thread, each in chunks of `max_batch` items (the RM and its
 tokenizer are only ever used in that thread); at most `max_queue` requests wait, and one more gets a 503 with
-Retry-After. Limits (body size, items and images per request, memory), the API key and errors are the other
+Retry-After. Limits (body size, answers per request, images per prompt, memory), the API key and errors are the other
 servers' (vlmrl.serve.guard, vlmrl.serve.gate).
 """
 
@@ -49,15 +49,20 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class RewardItem(_Strict):
+class RewardPrompt(_Strict):
     sample: dict[str, str] = Field(max_length=MAX_COLUMNS, description="the prompt's text columns: problem, ...")
     images: list[str] = Field(default_factory=list, description="data:image/png;base64,... (PNG scores exactly)")
+
+
+class RewardItem(_Strict):
+    prompt: int = Field(ge=0, description="the index of the prompt this answer answers, in `prompts`")
     completion: str
     finished: bool = True
 
 
 class RewardRequest(_Strict):
     model: str
+    prompts: list[RewardPrompt] = Field(min_length=1)
     items: list[RewardItem] = Field(min_length=1)
 
 
@@ -171,33 +176,36 @@ def reward_app(rm: Any, name: str, limits: ServeLimits | None = None, api_key: s
             raise RequestError(404, f"model {clip(repr(body.model), 80)} not found: this server serves {name!r} "
                                     "(GET /v1/models)", "model", "model_not_found")
         check_limit(len(body.items), limits.max_inputs, "items (answers per request)")
-        n_images = sum(len(item.images) for item in body.items)
-        check_limit(n_images, limits.max_images * len(body.items), "items[*].images (images per request)", low=0)
+        check_limit(len(body.prompts), len(body.items), "prompts (at most one per answer)")
+        for i, item in enumerate(body.items):
+            if item.prompt >= len(body.prompts):
+                raise RequestError(400, f"items[{i}].prompt={item.prompt}: there are {len(body.prompts)} prompts",
+                                   f"items[{i}].prompt")
         scorer.check_room()  # before any image is decoded
-        samples = await run_in_threadpool(_samples, body.items, limits, request, needs)
-        scored = await scorer.score(samples, [item.completion for item in body.items],
-                                    [item.finished for item in body.items])
+        prompts = await run_in_threadpool(_samples, body.prompts, limits, request, needs)
+        scored = await scorer.score([prompts[item.prompt] for item in body.items],
+                                    [item.completion for item in body.items], [item.finished for item in body.items])
         return {"object": "list", "model": name, "kind": rm.kind, "data": scored}
 
     return app
 
 
-def _samples(items: list[RewardItem], limits: ServeLimits, request: Request, needs: list[str]) -> list[dict]:
-    """Each item's sample as the RM's template reads it (400 for one without a column the template names): the
-    client's texts marked as a client's (never special tokens), its images decoded under the request's memory
-    account."""
+def _samples(prompts: list[RewardPrompt], limits: ServeLimits, request: Request, needs: list[str]) -> list[dict]:
+    """Each prompt's sample as the RM's template reads it (400 for one without a column the template names): the
+    client's texts marked as a client's (never special tokens), its images decoded once (whatever the number of
+    answers to it) under the request's memory account."""
     samples = []
-    for i, item in enumerate(items):
-        missing = [k for k in needs if k not in item.sample]
+    for i, prompt in enumerate(prompts):
+        missing = [k for k in needs if k not in prompt.sample]
         if missing:
-            raise RequestError(400, f"items[{i}].sample: no {missing} column; this reward model's prompt template "
-                                    f"names {needs} (GET /v1/info)", f"items[{i}].sample")
-        check_limit(len(item.images), limits.max_images, f"items[{i}].images", low=0)
+            raise RequestError(400, f"prompts[{i}].sample: no {missing} column; this reward model's prompt template "
+                                    f"names {needs} (GET /v1/info)", f"prompts[{i}].sample")
+        check_limit(len(prompt.images), limits.max_images, f"prompts[{i}].images", low=0)
         try:
-            sample: dict[str, Any] = {k: client_text(v) for k, v in item.sample.items()}
+            sample: dict[str, Any] = {k: client_text(v) for k, v in prompt.sample.items()}
         except ValueError as exc:
-            raise RequestError(400, f"items[{i}].sample: {exc}", f"items[{i}].sample") from None
-        sample["images"] = [decode_image(url, limits, f"items[{i}].images[{j}]", request.state.ledger)
-                            for j, url in enumerate(item.images)]
+            raise RequestError(400, f"prompts[{i}].sample: {exc}", f"prompts[{i}].sample") from None
+        sample["images"] = [decode_image(url, limits, f"prompts[{i}].images[{j}]", request.state.ledger)
+                            for j, url in enumerate(prompt.images)]
         samples.append(sample)
     return samples
