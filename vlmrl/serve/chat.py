@@ -19,22 +19,19 @@ import asyncio
 import json
 import secrets
 import time
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 try:
-    from fastapi import Depends, FastAPI, Request
+    from fastapi import Depends, Request
     from fastapi.responses import StreamingResponse
     from starlette.concurrency import run_in_threadpool
 except ImportError as exc:  # pragma: no cover - the serve extra is missing
     raise ImportError("vlmrl serve needs fastapi and uvicorn: pip install 'vlmrl[serve]'") from exc
 
-import vlmrl
 from vlmrl.errors import ConfigError
 from vlmrl.models.policy import Policy
 from vlmrl.serve.batcher import Batcher, Job, prompt_bytes
-from vlmrl.serve.gate import MemoryBudget, RequestGate, give_back_memory
 from vlmrl.serve.guard import (
     RequestError,
     ServeLimits,
@@ -42,7 +39,7 @@ from vlmrl.serve.guard import (
     check_limit,
     clip,
     error_body,
-    install_errors,
+    guarded_app,
 )
 from vlmrl.serve.messages import ChatRequest, build_prompt
 from vlmrl.serve.scoring import prompt_logprobs
@@ -98,21 +95,12 @@ def chat_app(model: ChatModel, limits: ServeLimits | None = None, api_key: str |
     """The app around an already loaded model (tests and benchmarks build several around one)."""
     limits = limits or ServeLimits()
     batcher = Batcher(model.policy, limits)
-    budget = MemoryBudget(limits.max_queue_bytes)
     fit_pixels = model.policy.processor.fit_pixels()
 
-    @asynccontextmanager
-    async def lifespan(app):
-        give_back_memory()
-        await batcher.start()
-        yield
-        await batcher.stop()
-
-    app = FastAPI(title="vlmrl chat", version=vlmrl.__version__, lifespan=lifespan,
-                  description=f"OpenAI-compatible chat completions for {model.name} ({model.source})")
-    app.state.batcher, app.state.model, app.state.limits, app.state.budget = batcher, model, limits, budget
-    install_errors(app)
-    app.add_middleware(RequestGate, budget=budget, max_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout)
+    app = guarded_app("vlmrl chat", f"OpenAI-compatible chat completions for {model.name} ({model.source})", limits,
+                      start=batcher.start, stop=batcher.stop)
+    app.state.batcher, app.state.model = batcher, model
+    budget = app.state.budget
     auth = [Depends(api_key_dependency(api_key))]
     created = int(time.time())
     card = {"id": model.name, "object": "model", "created": created, "owned_by": "vlmrl"}

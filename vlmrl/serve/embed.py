@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import base64
 import re
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -26,7 +25,7 @@ from typing import Any, Literal
 import numpy as np
 
 try:
-    from fastapi import Depends, FastAPI, Request
+    from fastapi import Depends, Request
     from fastapi.responses import FileResponse, HTMLResponse, JSONResponse
     from pydantic import BaseModel, ConfigDict
     from starlette.concurrency import run_in_threadpool
@@ -35,10 +34,8 @@ try:
 except ImportError as exc:  # pragma: no cover - the serve extra is missing
     raise ImportError("vlmrl serve needs fastapi and uvicorn: pip install 'vlmrl[serve]'") from exc
 
-import vlmrl
 from vlmrl.serve.encoder import Encoder
-from vlmrl.serve.gate import MemoryBudget, RequestGate, give_back_memory
-from vlmrl.serve.guard import RequestError, ServeLimits, api_key_dependency, check_limit, clip, install_errors
+from vlmrl.serve.guard import RequestError, ServeLimits, api_key_dependency, check_limit, clip, guarded_app
 from vlmrl.serve.images import decode_image
 from vlmrl.serve.index import SearchIndex, student_fingerprint
 from vlmrl.serve.page import search_page
@@ -142,25 +139,15 @@ def embed_app(model: EmbedModel, index: SearchIndex | None = None, limits: Serve
         index.check_student(model.fingerprint)
     encoder = Encoder(model.student, limits)
     dimension = model.fingerprint["dimension"]
-    budget = MemoryBudget(limits.max_queue_bytes)
     side = getattr(getattr(model.student, "cfg", None), "image_size", None)  # the embedded student's input side
     fit_pixels = side * side if isinstance(side, int) else None
 
     def decode(source, param: str, request: Request):
         return decode_image(source, limits, param, request.state.ledger, fit_pixels)
 
-    @asynccontextmanager
-    async def lifespan(app):
-        give_back_memory()
-        yield
-        await encoder.stop()
-
-    app = FastAPI(title="vlmrl embeddings", version=vlmrl.__version__, lifespan=lifespan,
-                  description=f"Embeddings{' and search' if index else ''} with {model.name} ({model.source})")
-    app.state.encoder, app.state.model, app.state.index, app.state.limits = encoder, model, index, limits
-    app.state.budget = budget
-    install_errors(app)
-    app.add_middleware(RequestGate, budget=budget, max_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout)
+    app = guarded_app("vlmrl embeddings", f"Embeddings{' and search' if index else ''} with {model.name} "
+                      f"({model.source})", limits, stop=encoder.stop)
+    app.state.encoder, app.state.model, app.state.index = encoder, model, index
     auth = [Depends(api_key_dependency(api_key))]
     card = {"id": model.name, "object": "model", "created": 0, "owned_by": "vlmrl"}
     page = search_page(needs_key=api_key is not None)

@@ -25,21 +25,18 @@ import math
 import string
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 try:
-    from fastapi import Depends, FastAPI, Request
+    from fastapi import Depends, Request
     from pydantic import BaseModel, ConfigDict, Field
     from starlette.concurrency import run_in_threadpool
 except ImportError as exc:  # pragma: no cover - the serve extra is missing
     raise ImportError("vlmrl serve needs fastapi and uvicorn: pip install 'vlmrl[serve]'") from exc
 
-import vlmrl
 from vlmrl.models.families.processor import client_text
-from vlmrl.serve.gate import MemoryBudget, RequestGate, give_back_memory
-from vlmrl.serve.guard import RequestError, ServeLimits, api_key_dependency, check_limit, clip, install_errors
+from vlmrl.serve.guard import RequestError, ServeLimits, api_key_dependency, check_limit, clip, guarded_app
 from vlmrl.serve.images import decode_image
 
 MAX_COLUMNS = 32  # text columns of one item's sample
@@ -137,24 +134,14 @@ def reward_app(rm: Any, name: str, limits: ServeLimits | None = None, api_key: s
     """The app around an already loaded RM (tests build several around one)."""
     limits = limits or ServeLimits()
     scorer = Scorer(rm, limits)
-    budget = MemoryBudget(limits.max_queue_bytes)
     info = {"model": name, "kind": rm.kind, "aggregate": (rm.info.get("process") or {}).get("aggregate"),
             "vocabulary": rm.info["vocabulary"], "prompt_template": rm.info["prompt_template"],
             "max_answer_tokens": rm.info["max_answer_tokens"], "max_prompt_length": rm.info["max_prompt_length"],
             "limits": {"max_inputs": limits.max_inputs, "max_images": limits.max_images,
                        "max_body_bytes": limits.max_body_bytes}}
-
-    @asynccontextmanager
-    async def lifespan(app):
-        give_back_memory()
-        yield
-        await scorer.stop()
-
-    app = FastAPI(title="vlmrl reward model", version=vlmrl.__version__, lifespan=lifespan,
-                  description=f"Scores answers with the {rm.kind} reward model {name}")
-    app.state.scorer, app.state.limits, app.state.budget = scorer, limits, budget
-    install_errors(app)
-    app.add_middleware(RequestGate, budget=budget, max_bytes=limits.max_body_bytes, body_timeout=limits.body_timeout)
+    app = guarded_app("vlmrl reward model", f"Scores answers with the {rm.kind} reward model {name}", limits,
+                      stop=scorer.stop)
+    app.state.scorer = scorer
     auth = [Depends(api_key_dependency(api_key))]
     needs = sorted({field for _, field, _, _ in string.Formatter().parse(rm.info["prompt_template"]) if field})
 
