@@ -51,7 +51,7 @@ def test_a_served_outcome_rm_scores_what_the_local_one_does(trained_rm, served_r
     answers[3] = "<answer>" + " ".join(["3"] * 40) + "</answer>"
     columns["completion_truncated"] = [False, False, True] * 3 + [True]  # cut at the token budget: no end token
     local = _scores(trained_rm["run_dir"], answers, columns)
-    remote = _scores(served_rm, answers, columns, batch_size=3, concurrency=2)
+    remote = _scores(served_rm, answers, columns, request_size=3, concurrency=2)
     mine, theirs = local.components["reward_model"], remote.components["reward_model"]
     assert theirs[3] is None and mine[3] is None and remote.failures["reward_model"] == 1
     assert "scores at most 16" in remote.errors["reward_model"] and remote.extra["reward_model"]["too_long"] == 1
@@ -62,7 +62,7 @@ def test_a_served_outcome_rm_scores_what_the_local_one_does(trained_rm, served_r
     post = client.endpoint.post
     client.endpoint.post = lambda body: sent.append(body) or post(body)
     try:
-        _scores(served_rm, answers, columns, batch_size=4, concurrency=2)
+        _scores(served_rm, answers, columns, request_size=4, concurrency=2)
     finally:
         client.endpoint.post = post
     # answers 0-3, 4-7, 8-9: each request holds each of its prompts once, with its image
@@ -152,7 +152,7 @@ def test_a_server_that_went_away_leaves_answers_unscored_not_guessed(trained_rm)
     with running(reward_app(rm, "gone")) as url:
         client = served_reward_model(f"{url}/v1", timeout=2.0)  # the run's client, made while the server was up
         client.endpoint.max_retries, client.endpoint.connect_window = 1, 0.5
-    out = _scores(f"{url}/v1", ["<answer>1</answer>"] * 3, _columns(1, repeat=3), timeout=2.0, batch_size=2)
+    out = _scores(f"{url}/v1", ["<answer>1</answer>"] * 3, _columns(1, repeat=3), timeout=2.0, request_size=2)
     assert out.components["reward_model"] == [None] * 3 and out.failures["reward_model"] == 3
     assert "connection failed" in out.errors["reward_model"]
     assert out.extra["reward_model"] == {"too_long": 0.0, "no_steps": 0.0}  # neither: a failure only
@@ -166,7 +166,7 @@ def test_concurrent_trainers_share_one_served_rm(trained_rm, served_rm):  # noqa
     got: list = []
 
     def one():
-        got.append(_scores(served_rm, answers, columns, batch_size=1).components["reward_model"])
+        got.append(_scores(served_rm, answers, columns, request_size=1).components["reward_model"])
 
     threads = [threading.Thread(target=one) for _ in range(4)]
     for t in threads:

@@ -122,6 +122,7 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
                         device: str | None = None, dtype: str = "float32", same_tokenizer: bool = True,
                         ensemble: str = "mean", disagreement_coef: float = 0.0, model: str | None = None,
                         api_key_env: str | None = None, timeout: float = 120.0, concurrency: int = 4,
+                        request_size: int | None = None,
                         images: list[Any] | None = None, completion_truncated: list[bool] | None = None,
                         **columns: Any) -> list[Any]:
     """The RM's score of each answer, from the RM at `path`: an outcome RM's scalar (unbounded; Bradley-Terry gives
@@ -130,8 +131,9 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
     is a RewardFailure, counted in reward/reward_model/no_steps).
 
     `path` the URL of an RM served by `vlmrl serve RM_FOLDER` (http://HOST:PORT/v1): the RM runs there, on its own
-    device or machine, and scores each batch in requests of `batch_size` answers, `concurrency` at a time
-    (vlmrl.rewards.served_rm; `model`, `api_key_env`, `timeout` as for the judge).
+    device or machine (in model calls of its --max-batch answers), and each batch goes to it in `concurrency`
+    requests at once (of at most `request_size` answers when given; vlmrl.rewards.served_rm; `model`,
+    `api_key_env`, `timeout` as for the judge).
 
     `path` a list: an ensemble of RMs (e.g. trained on other seeds or pairs), combined per answer as `ensemble`
     says, "mean" minus `disagreement_coef` x their standard deviation (uncertainty-weighted optimisation, Coste et
@@ -150,7 +152,7 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
     samples = [{**{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n},
                 "images": image_lists[i] or []} for i in range(n)]
     members = [served_reward_model(p, model, api_key_env, timeout, concurrency).scores(completions, samples,
-                                                                                       truncated, batch_size)
+                                                                                       truncated, request_size)
                if is_served(p) else
                member_scores(get_reward_model(p, device, dtype), p, completions, samples, truncated, batch_size)
                for p in member_paths(path)]

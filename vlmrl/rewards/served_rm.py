@@ -64,13 +64,18 @@ class ServedRewardModel:
                               "(`vlmrl serve RM_FOLDER`), and does the URL end in /v1?") from None
         if model is not None and model != served:
             raise ConfigError(f"reward_model path {base_url} serves {served!r}, not model={model!r}")
-        self.model = served
+        self.model, self.concurrency = served, max(1, concurrency)
         self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="vlmrl-rm-client")
 
     def scores(self, completions: list[str], samples: list[dict], truncated: list[bool],
-               batch_size: int) -> list[Any]:
-        """Each answer's score, or a RewardFailure saying why it has none."""
+               batch_size: int | None = None) -> list[Any]:
+        """Each answer's score, or a RewardFailure saying why it has none. The answers go in `concurrency` requests
+        (as few round trips as the connections allow; the server cuts each into model calls of its --max-batch),
+        of at most `batch_size` answers when given, and at most the server's --max-inputs."""
         from vlmrl.rewards.judge import encode_image
+
+        per_request = max(1, -(-len(completions) // self.concurrency))
+        per_request = min(per_request, batch_size or per_request, int(self.info["limits"]["max_inputs"]))
 
         encoded: dict[int, str] = {}  # an image shared by a prompt's answers is encoded once
 
@@ -80,11 +85,11 @@ class ServedRewardModel:
             return encoded[id(image)]
 
         bodies = []
-        for start in range(0, len(completions), batch_size):
+        for start in range(0, len(completions), per_request):
             prompts: dict[str, int] = {}  # a prompt's text columns and images -> its index in this request
             body: dict[str, Any] = {"model": self.model, "prompts": [], "items": []}
-            for c, s, t in zip(completions[start:start + batch_size], samples[start:start + batch_size],
-                               truncated[start:start + batch_size], strict=True):
+            end = start + per_request
+            for c, s, t in zip(completions[start:end], samples[start:end], truncated[start:end], strict=True):
                 prompt = {"sample": {k: v for k, v in s.items() if isinstance(v, str)},
                           "images": [url(im) for im in s.get("images") or []]}
                 key = json.dumps(prompt, sort_keys=True)
