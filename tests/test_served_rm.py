@@ -112,13 +112,18 @@ def test_vlmrl_train_checks_a_served_rms_tokenizer(trained_rm, served_rm, other_
 def test_what_the_server_refuses_is_a_counted_failure_and_a_refused_key_stops(trained_rm, served_rm,  # noqa: F811
                                                                               monkeypatch):
     from vlmrl.rewards.judge_http import JudgeAuthError
-    from vlmrl.rewards.served_rm import ServedRewardModel
+    from vlmrl.rewards.served_rm import ServedRewardModel, ServedRewardModelRefused
 
     columns = _columns(2)
     del columns["problem"]  # the RM's template names {problem}: a 400 naming the column, for these answers only
-    out = _scores(served_rm, ["<answer>1</answer>", "<answer>2</answer>"], columns)
+    out = _scores(served_rm, ["<answer>1</answer>", "<answer>2</answer>"], columns, concurrency=1)
     assert out.components["reward_model"] == [None, None] and out.failures["reward_model"] == 2
     assert "HTTP 400" in out.errors["reward_model"] and "no ['problem'] column" in out.errors["reward_model"]
+    _scores(served_rm, ["<answer>1</answer>"], _columns(1))  # a reply between: the count starts again
+    for _ in range(2):
+        _scores(served_rm, ["<answer>1</answer>"], {k: v for k, v in _columns(1).items() if k != "problem"})
+    with pytest.raises(ServedRewardModelRefused, match="3 requests in a row were refused with the same HTTP 400"):
+        _scores(served_rm, ["<answer>1</answer>"], {k: v for k, v in _columns(1).items() if k != "problem"})
     prompts = [{"sample": {"problem": "how many?"}}]
     reply = httpx.post(f"{served_rm}/rewards", json={"model": "rm", "prompts": prompts,
                                                      "items": [{"prompt": 0, "completion": "1"}] * 9},

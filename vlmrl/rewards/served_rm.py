@@ -9,9 +9,9 @@ starting); an answer is scored as the in-process `reward_model` scores it (the s
 as PNG data URLs travel with it). The client asks `GET /v1/info` once: the RM's kind and tokenizer fingerprint, so
 `vlmrl train` refuses an RM whose tokenizer is not the policy's before any step, as it does for a folder.
 
-An answer the server could not score (its `error`), or every answer of a request whose retries are spent, is a
-RewardFailure that says why: counted in reward/reward_model/failures, it trains nothing. A refused key (401/403)
-stops the run.
+An answer the server could not score (its `error`), or every answer of a request whose retries are spent or that
+was refused (a 4xx), is a RewardFailure that says why: counted in reward/reward_model/failures, it trains nothing.
+A refused key (401/403), or the same refusal REFUSAL_LIMIT times in a row, stops the run.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from vlmrl.errors import ConfigError
-from vlmrl.rewards.registry import RewardFailure
+from vlmrl.rewards.registry import FatalRewardError, RewardFailure
 
+REFUSAL_LIMIT = 3  # identical 4xx refusals in a row that stop training, as the judge's refusal_limit
 _CLIENTS: dict[tuple[str, str | None], ServedRewardModel] = {}
 _LOCK = threading.Lock()
 
@@ -40,6 +41,10 @@ def rewards_reply(raw: bytes, attempts: int) -> list[dict] | None:
         return data if isinstance(data, list) and all(isinstance(d, dict) and "score" in d for d in data) else None
     except (ValueError, KeyError, TypeError):
         return None
+
+
+class ServedRewardModelRefused(FatalRewardError):
+    """The served RM refused REFUSAL_LIMIT requests in a row the same way: training stops with its message."""
 
 
 class ServedRewardModel:
@@ -66,6 +71,9 @@ class ServedRewardModel:
             raise ConfigError(f"reward_model path {base_url} serves {served!r}, not model={model!r}")
         self.model, self.concurrency = served, max(1, concurrency)
         self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="vlmrl-rm-client")
+        self._lock = threading.Lock()
+        self._refusal: tuple[int, str] | None = None  # the last refusal (status, message), and how often in a row
+        self._refusals = 0
 
     def scores(self, completions: list[str], samples: list[dict], truncated: list[bool],
                batch_size: int | None = None) -> list[Any]:
@@ -104,17 +112,34 @@ class ServedRewardModel:
         return values
 
     def _post(self, body: dict) -> list[Any] | RewardFailure:
-        from vlmrl.rewards.judge_http import JudgeError
+        from vlmrl.rewards.judge_http import JudgeError, JudgeRefused
 
         items = body["items"]
         try:
             data = self.endpoint.post(body)
-        except JudgeError as exc:  # retries spent, or a refusal (4xx): these answers have no score
+        except JudgeRefused as exc:  # a 4xx: these answers have no score; the same one again and again stops
+            self._refused(exc)
             return RewardFailure(str(exc))
+        except JudgeError as exc:  # retries spent: these answers have no score
+            return RewardFailure(str(exc))
+        with self._lock:
+            self._refusal, self._refusals = None, 0
         if len(data) != len(items):
             return RewardFailure(f"reward model {self.endpoint.url}: {len(data)} scores for {len(items)} answers")
         return [RewardFailure(f"reward model {self.endpoint.url}: {d.get('error') or 'no score'}")
                 if d["score"] is None else float(d["score"]) for d in data]
+
+
+    def _refused(self, exc) -> None:
+        """Count a refusal; at REFUSAL_LIMIT identical ones in a row (no reply between), stop the run: every later
+        request would be refused the same way (a sample without a column the RM's template needs, a body too big)."""
+        with self._lock:
+            same = self._refusal == (exc.status, exc.message)
+            self._refusal, self._refusals = (exc.status, exc.message), self._refusals + 1 if same else 1
+            if self._refusals < REFUSAL_LIMIT:
+                return
+        raise ServedRewardModelRefused(f"reward model {self.endpoint.url}: {REFUSAL_LIMIT} requests in a row were "
+                                       f"refused with the same HTTP {exc.status}: {exc.message}")
 
 
 def served_reward_model(url: str, model: str | None = None, api_key_env: str | None = None,
