@@ -76,14 +76,14 @@ class ServedRewardModel:
         self._refusals = 0
 
     def scores(self, completions: list[str], samples: list[dict], truncated: list[bool],
-               batch_size: int | None = None) -> list[Any]:
+               request_size: int | None = None) -> list[Any]:
         """Each answer's score, or a RewardFailure saying why it has none. The answers go in `concurrency` requests
         (as few round trips as the connections allow; the server cuts each into model calls of its --max-batch),
-        of at most `batch_size` answers when given, and at most the server's --max-inputs."""
+        of at most `request_size` answers when given, and at most the server's --max-inputs."""
         from vlmrl.rewards.judge import encode_image
 
         per_request = max(1, -(-len(completions) // self.concurrency))
-        per_request = min(per_request, batch_size or per_request, int(self.info["limits"]["max_inputs"]))
+        per_request = min(per_request, request_size or per_request, int(self.info["limits"]["max_inputs"]))
 
         encoded: dict[int, str] = {}  # an image shared by a prompt's answers is encoded once
 
@@ -128,7 +128,6 @@ class ServedRewardModel:
             return RewardFailure(f"reward model {self.endpoint.url}: {len(data)} scores for {len(items)} answers")
         return [RewardFailure(f"reward model {self.endpoint.url}: {d.get('error') or 'no score'}")
                 if d["score"] is None else float(d["score"]) for d in data]
-
 
     def _refused(self, exc) -> None:
         """Count a refusal; at REFUSAL_LIMIT identical ones in a row (no reply between), stop the run: every later
