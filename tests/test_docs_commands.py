@@ -229,3 +229,27 @@ def test_every_flag_an_inline_vlmrl_span_names_exists():
                 problems.append(f"{command}: `vlmrl {' '.join(path)}` has no option {flag}")
     assert count >= 20, f"found only {count} inline vlmrl spans"
     assert not problems, "\n".join(problems)
+
+
+# one reward of a recipe's list, on one line, one nesting deep
+REWARD_ENTRY = re.compile(r"\{name: [\w\"'.]+(?:[^{}\n]|\{[^{}\n]*\})*\}")
+
+
+def test_every_reward_entry_the_docs_show_loads_as_a_recipes_reward():
+    """`{name: ..., ...}` as the pages write a reward (inline or in a YAML block) is a valid `rewards` entry: a key
+    the reward takes goes under kwargs, and one at the top level is refused by the recipe loader."""
+    from vlmrl.config import load_config
+    from vlmrl.errors import ConfigError
+
+    problems, count = [], 0
+    for page in PAGES:
+        for entry in REWARD_ENTRY.findall(page.read_text()):
+            if entry in ("{name: spec}",):  # a placeholder, not a reward
+                continue
+            count += 1
+            try:
+                load_config(None, [f"rewards=[{entry}]"])
+            except ConfigError as exc:
+                problems.append(f"{page.name}: {entry}: {exc}")
+    assert count >= 15, f"found only {count} reward entries"
+    assert not problems, "\n".join(problems)
