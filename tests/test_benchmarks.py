@@ -133,6 +133,7 @@ SMALLEST = {  # script: (its smallest arguments, what its output must show); STA
     "profile_rl_step.py": (["START", "--steps", "1", "--out", "OUT/run", *SMOKE], "**whole step**"),
 }
 SLOW = {  # the sweeps and servers, 10-35 s each on a 2-core CPU: run with -m slow
+    "served_rm.py": (["--reps", "1", "--rm-steps", "2", "--prompts", "2", "--group", "2"], "| served, concurrency 4 |"),
     "soak_rollout_ranks.py": (["--smoke", "--out", "OUT/soak", "--results", "OUT/soak.json"], "| run | exit |"),
     "algorithms.py": (["--smoke", "--out", "OUT/runs", "--results", "OUT/algorithms.json"], "| dpo_offline |"),
     # (the smoke teacher writes no answer blocks to learn from: the sft_teacher arm runs on a real teacher only)
