@@ -32,6 +32,7 @@ except ImportError as exc:  # pragma: no cover - the serve extra is missing
 from vlmrl.errors import ConfigError
 from vlmrl.models.policy import Policy
 from vlmrl.serve.batcher import Batcher, Job, prompt_bytes
+from vlmrl.serve.gate import guarded_app
 from vlmrl.serve.guard import (
     RequestError,
     ServeLimits,
@@ -39,7 +40,6 @@ from vlmrl.serve.guard import (
     check_limit,
     clip,
     error_body,
-    guarded_app,
 )
 from vlmrl.serve.messages import ChatRequest, build_prompt
 from vlmrl.serve.scoring import prompt_logprobs

@@ -21,6 +21,9 @@ is parsed: a body of 300,000 `{}` never reaches the JSON parser or the validator
 When the budget empties after it held more than `TRIM_AFTER`, freed memory is handed back to the system
 (`malloc_trim`), and `give_back_memory` makes large buffers their own mappings, so a burst does not leave the server
 big.
+
+`guarded_app` is the FastAPI app every server (chat, embeddings, reward model) starts from, with all of this and
+vlmrl.serve.guard's errors in place.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ import json
 import logging
 import re
 import threading
+from typing import Any
 
-from vlmrl.serve.guard import RequestError, error_body
+from vlmrl.serve.guard import RequestError, ServeLimits, error_body, install_errors
 
 JSON_PER_BYTE = 100  # bytes of Python objects per byte of JSON structure (a dict is 64 bytes for its 3 in "{},")
 MAX_STRUCTURE = 2**20  # bytes of JSON outside strings: 256 messages of 64 image parts each take 420 KB
@@ -225,3 +229,30 @@ def trim_memory() -> None:
     """Hand freed heap memory back to the system (glibc's malloc_trim; nothing elsewhere)."""
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def guarded_app(title: str, description: str, limits: ServeLimits, start: Any = None, stop: Any = None) -> Any:
+    """A FastAPI app with every server's guard in place: OpenAI-shaped errors (`install_errors`), the memory budget
+    and `RequestGate` (the body read and checked before the app runs), `app.state.limits` and
+    `app.state.budget`; `start` and `stop` (coroutine functions) run at start-up and shutdown."""
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI
+
+    import vlmrl
+
+    @asynccontextmanager
+    async def lifespan(app):
+        give_back_memory()
+        if start is not None:
+            await start()
+        yield
+        if stop is not None:
+            await stop()
+
+    app = FastAPI(title=title, version=vlmrl.__version__, lifespan=lifespan, description=description)
+    app.state.limits, app.state.budget = limits, MemoryBudget(limits.max_queue_bytes)
+    install_errors(app)
+    app.add_middleware(RequestGate, budget=app.state.budget, max_bytes=limits.max_body_bytes,
+                       body_timeout=limits.body_timeout)
+    return app

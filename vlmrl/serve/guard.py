@@ -6,7 +6,6 @@
   the key is read from that environment variable once, at start-up, and compared in constant time.
 - `install_errors`: every error leaves as OpenAI's shape `{"error": {"message", "type", "param", "code"}}`, which
   the official client turns into its exceptions; a message never echoes more than a few hundred characters of input.
-- `guarded_app`: the FastAPI app every server starts from, with the errors above and vlmrl.serve.gate in place.
 
 The rest of the guard: vlmrl.serve.gate (what a request may hold, checked before it is paid for), vlmrl.serve.images
 (images, opened only as declared and paid for before they are decoded), vlmrl.serve.connections (slow and many
@@ -160,34 +159,6 @@ def api_key_dependency(key: str | None):
             raise RequestError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     return check
-
-
-def guarded_app(title: str, description: str, limits: ServeLimits, start: Any = None, stop: Any = None) -> Any:
-    """A FastAPI app with every server's guard in place: OpenAI-shaped errors (`install_errors`), the memory budget
-    and `RequestGate` (vlmrl.serve.gate: the body read and checked before the app runs), `app.state.limits` and
-    `app.state.budget`; `start` and `stop` (coroutine functions) run at start-up and shutdown."""
-    from contextlib import asynccontextmanager
-
-    from fastapi import FastAPI
-
-    import vlmrl
-    from vlmrl.serve.gate import MemoryBudget, RequestGate, give_back_memory
-
-    @asynccontextmanager
-    async def lifespan(app):
-        give_back_memory()
-        if start is not None:
-            await start()
-        yield
-        if stop is not None:
-            await stop()
-
-    app = FastAPI(title=title, version=vlmrl.__version__, lifespan=lifespan, description=description)
-    app.state.limits, app.state.budget = limits, MemoryBudget(limits.max_queue_bytes)
-    install_errors(app)
-    app.add_middleware(RequestGate, budget=app.state.budget, max_bytes=limits.max_body_bytes,
-                       body_timeout=limits.body_timeout)
-    return app
 
 
 def check_bind(host: str, key: str | None) -> None:

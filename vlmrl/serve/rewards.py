@@ -36,7 +36,8 @@ except ImportError as exc:  # pragma: no cover - the serve extra is missing
     raise ImportError("vlmrl serve needs fastapi and uvicorn: pip install 'vlmrl[serve]'") from exc
 
 from vlmrl.models.families.processor import client_text
-from vlmrl.serve.guard import RequestError, ServeLimits, api_key_dependency, check_limit, clip, guarded_app
+from vlmrl.serve.gate import guarded_app
+from vlmrl.serve.guard import RequestError, ServeLimits, api_key_dependency, check_limit, clip
 from vlmrl.serve.images import decode_image
 
 MAX_COLUMNS = 32  # text columns of one item's sample
