@@ -213,13 +213,19 @@ def member_scores(rm: RewardModel, path: str, completions: list[str], samples: l
     from vlmrl.models.reward_model import answer_ids
 
     n = len(completions)
-    _, mask = answer_ids(rm.policy, [str(c) for c in completions], [not t for t in truncated])
     limit = rm.info["max_answer_tokens"]
+    where = f"this reward model scores at most {limit} (max_answer_tokens in {path}/reward_model.json)"
     values: list[Any] = [None] * n
-    for i, length in enumerate(mask.sum(-1).tolist()):
+    chars = rm.policy.processor.max_prompt_chars(limit)  # longer texts are refused before they are tokenised
+    for i, c in enumerate(completions):
+        if len(str(c)) > chars:
+            values[i] = RewardFailure(f"answer of {len(str(c))} characters, more than {limit} tokens hold; {where}")
+    fits = [i for i in range(n) if values[i] is None]
+    lengths = answer_ids(rm.policy, [str(completions[i]) for i in fits],
+                         [not truncated[i] for i in fits])[1].sum(-1).tolist() if fits else []
+    for i, length in zip(fits, lengths, strict=True):
         if length > limit:
-            values[i] = RewardFailure(f"answer of {length} tokens; this reward model scores at most {limit} "
-                                      f"(max_answer_tokens in {path}/reward_model.json)")
+            values[i] = RewardFailure(f"answer of {length} tokens; {where}")
     todo = [i for i in range(n) if values[i] is None]
     for start in range(0, len(todo), batch_size):
         rows = todo[start:start + batch_size]
