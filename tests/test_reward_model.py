@@ -279,6 +279,25 @@ def test_a_score_does_not_depend_on_the_answers_batched_with_it(trained_rm):
     assert both[1] is not None and both[0] == pytest.approx(alone, abs=1e-5)
 
 
+def test_a_prompt_goes_through_the_model_once_for_all_of_its_answers(trained_rm, monkeypatch):
+    """Two prompts x 4 answers: the RM embeds 2 prompts (their images through the vision tower once each), and each
+    answer's score is the one it gets scored alone."""
+    from vlmrl.rewards.reward_model import get_reward_model
+
+    family = get_reward_model(trained_rm["run_dir"], "cpu").policy.family
+    seen, embed = [], family.prompt_embeds
+    monkeypatch.setattr(family, "prompt_embeds", lambda prompt: seen.append(prompt.input_ids.shape[0]) or embed(prompt))
+    samples = make_task("shapes_count", 2, "test", seed=5)
+    columns = {k: [s[k] for s in samples for _ in range(4)] for k in ("id", "problem", "solution", "images")}
+    answers = [f"<answer>{k}</answer>" for k in range(8)]
+    spec = [RewardSpec("reward_model", kwargs={"path": trained_rm["run_dir"]})]
+    together = compute_rewards(spec, answers, columns).components["reward_model"]
+    assert seen == [2]
+    alone = [compute_rewards(spec, [a], {k: [v[i]] for k, v in columns.items()}).components["reward_model"][0]
+             for i, a in enumerate(answers)]
+    assert together == pytest.approx(alone, abs=1e-5) and len(set(together)) > 2
+
+
 def test_ensemble_disagreement_penalty_by_hand(trained_rm, tmp_path):
     """Two members: the trained RM, and a copy whose head's bias is 1.0 higher, so every answer's scores are s and
     s + 1: mean s + 0.5, standard deviation 0.5; with disagreement_coef 2: s - 0.5; ensemble min: s."""

@@ -229,22 +229,38 @@ def member_scores(rm: RewardModel, path: str, completions: list[str], samples: l
     todo = [i for i in range(n) if values[i] is None]
     for start in range(0, len(todo), batch_size):
         rows = todo[start:start + batch_size]
-        scorable, prompts = _prompts(rm, [samples[i] for i in rows])
-        for j, reason in enumerate(scorable):
-            if reason is not None:
-                values[rows[j]] = RewardFailure(reason)
-        keep = [j for j, reason in enumerate(scorable) if reason is None]
+        # a prompt once for all of its answers in the chunk: its images go through the vision tower once
+        unique: dict[tuple, int] = {}  # prompt key -> its index among the chunk's distinct prompts
+        of, firsts = [], []  # each answer's distinct prompt; each distinct prompt's first answer
+        for i in rows:
+            key = _prompt_key(samples[i])
+            if key not in unique:
+                unique[key] = len(firsts)
+                firsts.append(i)
+            of.append(unique[key])
+        scorable, prompts = _prompts(rm, [samples[i] for i in firsts])
+        place = {u: k for k, u in enumerate(u for u, reason in enumerate(scorable) if reason is None)}
+        for j, u in enumerate(of):
+            if scorable[u] is not None:
+                values[rows[j]] = RewardFailure(scorable[u])
+        keep = [j for j, u in enumerate(of) if scorable[u] is None]
         if not keep:
             continue
         texts = [str(completions[rows[j]]) for j in keep]
         with torch.no_grad():
-            scores, probs = answer_scores(rm, prompts, torch.arange(len(keep)), texts,
+            scores, probs = answer_scores(rm, prompts, torch.tensor([place[of[j]] for j in keep]), texts,
                                           [not truncated[rows[j]] for j in keep])
         for k, (j, value) in enumerate(zip(keep, scores, strict=True)):
             values[rows[j]] = RewardFailure(NO_STEPS) if value is None else value
             if steps is not None and probs is not None and value is not None:
                 steps[rows[j]] = probs[k]
     return values
+
+
+def _prompt_key(sample: dict) -> tuple:
+    """What makes two answers' prompts one: the sample's text columns and its image objects."""
+    return (tuple(sorted((k, v) for k, v in sample.items() if isinstance(v, str))),
+            tuple(id(im) for im in sample.get("images") or []))
 
 
 def _prompts(rm: RewardModel, samples: list[dict]):
