@@ -306,3 +306,60 @@ def test_the_side_by_side_benchmark_runs_in_its_smallest_mode(tmp_path):
                            str(tmp_path)], capture_output=True, text=True, timeout=600, env=clean_env())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "| vLLM | 0 |" in done.stdout and "| built-in sampler | 0 |" in done.stdout
+
+
+def test_a_hub_reward_model_served_by_vllm_scores_what_transformers_does(tmp_path):
+    """A Hugging Face sequence-classifier RM (random Qwen3ForSequenceClassification with the real Qwen3 tokenizer)
+    served by the real `vllm serve --runner pooling`: through `{name: reward_model, kwargs: {server: vllm}}` every
+    answer's score equals the in-process one (the model card's, tests/test_hub_rm.py) to float32 rounding; an answer
+    left open (truncated), a conversation past the served context and one Qwen3's template cannot leave open are
+    failures counted as the in-process RM counts them."""
+    import socket
+    import time
+
+    import httpx
+
+    from vlmrl.models.hub_fixture import build_reward_classifier_folder
+    from vlmrl.rewards import compute_rewards
+    from vlmrl.rewards.registry import RewardSpec
+
+    folder = build_reward_classifier_folder(tmp_path / "rm", max_length=256)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = (tmp_path / "vllm_serve.log").open("w")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                               "--runner", "pooling", "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
+                               "--port", str(port), "--max-model-len", "256"], stdout=log, stderr=subprocess.STDOUT,
+                              env=clean_env())
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "vllm_serve.log").read_text()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2, trust_env=False).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        answers = ["<think>two and one</think><answer>3</answer>", "red", "<answer>yes</answer>", "I am not sure.",
+                   "word " * 300, "cut sh", "<think>cut</think><answer>2", "fine"]
+        columns = {"problem": ["How many circles?", "What colour?", "Left of it?", "How many?", "Why?",
+                               "What colour?", "How many?", "Rate it"],
+                   "solution": ["3"] * 8, "completion_truncated": [False] * 5 + [True, True, False]}
+
+        def score(path, **kw):
+            return compute_rewards([RewardSpec("reward_model", kwargs={"path": path, **kw})], answers, columns)
+
+        local = score(str(folder), max_length=256)
+        served = score(f"http://127.0.0.1:{port}/v1", server="vllm", concurrency=3)
+        mine, theirs = local.components["reward_model"], served.components["reward_model"]
+        assert [v is None for v in theirs] == [v is None for v in mine] == [False] * 4 + [True, False, True, False]
+        assert [v for v in theirs if v is not None] == pytest.approx([v for v in mine if v is not None], abs=1e-4)
+        assert served.extra["reward_model"]["too_long"] == local.extra["reward_model"]["too_long"] == 1
+        assert served.failures["reward_model"] == local.failures["reward_model"] == 2
+        assert len({round(v, 3) for v in theirs if v is not None}) == 6
+    finally:
+        server.terminate()
+        server.wait(60)
+        log.close()

@@ -331,6 +331,30 @@ def build_qwen_hub_folder(path: str | Path, *, model_type: str = "qwen2_5_vl", h
     return out
 
 
+def build_reward_classifier_folder(path: str | Path, *, pad_token_id: int | None = 151643, num_labels: int = 1,
+                                   hidden_size: int = 64, num_layers: int = 2, max_length: int = 2048,
+                                   seed: int = 0) -> Path:
+    """Write a randomly initialised Qwen3ForSequenceClassification with `num_labels` outputs (1: laid out like a
+    hub outcome RM such as Skywork-Reward-V2-Qwen3) and the real Qwen3 tokenizer and chat template to `path`; return
+    the folder. `pad_token_id` None: a config without one, as some hub RMs ship."""
+    from transformers import Qwen3Config, Qwen3ForSequenceClassification
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    src = qwen_tokenizer_dir()
+    for name in TOKENIZER_FILES:
+        shutil.copy(src / name, out / name)
+    config = Qwen3Config(vocab_size=151936, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=num_layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         max_position_embeddings=max_length, num_labels=num_labels, pad_token_id=pad_token_id,
+                         tie_word_embeddings=False, initializer_range=0.1)
+    config.architectures = ["Qwen3ForSequenceClassification"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        Qwen3ForSequenceClassification(config).save_pretrained(out)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vlmrl.models.hub_fixture",
                                 description="Write a hub-format Qwen-VL checkpoint folder with random weights, the "

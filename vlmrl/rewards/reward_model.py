@@ -4,11 +4,15 @@ makes one).
     rewards:
       - {name: reward_model, path: runs/rm}          # a run of `vlmrl rm train`, or its checkpoint-N folder
       - {name: reward_model, path: http://rm-host:8000/v1}   # or that RM served by `vlmrl serve runs/rm`
+      - {name: reward_model, path: /models/Skywork-Reward-V2-Qwen3-0.6B}   # or a hub sequence-classifier RM,
+      - {name: reward_model, path: http://rm-host:8000/v1, kwargs: {server: vllm}}   # also served by vLLM
 
 The RM is loaded once per process and scores a batch in chunks of `batch_size` answers in the trainer's process, on
 the trainer's device (`vlmrl train` binds it, `bind_reward_models`; elsewhere the current CUDA device when one is set
 up, else the CPU), or on the server that serves it (vlmrl.rewards.served_rm: its own device or machine, shared by
 every trainer process). Each prompt is rendered with the template the RM was trained with, its images included.
+A Hugging Face `*ForSequenceClassification` RM (one output) scores the conversation through its own chat template,
+in process or served by vLLM (vlmrl.rewards.hub_rm: text only, its own tokenizer).
 
 Refusals, said once and plainly:
 - `vlmrl train` refuses, before any training step, an RM whose tokenizer's vocabulary is not the policy's: it would
@@ -26,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from vlmrl.errors import ConfigError
 from vlmrl.models.preflight import resolve_model
+from vlmrl.rewards import hub_rm
 from vlmrl.rewards.columns import per_sample
 from vlmrl.rewards.registry import RewardBatch, RewardFailure, RewardSpec, register_reward
 from vlmrl.rewards.served_rm import is_served, served_reward_model
@@ -38,7 +43,9 @@ if TYPE_CHECKING:
 
 NAME = "reward_model"
 NO_STEPS = "no reasoning steps: a process reward model scores an answer by its steps"
-TOO_LONG = ("max_answer_tokens", "max_prompt_length")  # what the reason of an answer or prompt too long names
+# what the reason of an answer or prompt too long names
+TOO_LONG = ("max_answer_tokens", "max_prompt_length", hub_rm.TOO_LONG)
+SERVERS = ("vlmrl", "vllm")  # what serves an RM at a URL: `vlmrl serve RM`, or vLLM (a hub sequence classifier)
 _MODELS: dict[tuple[str, str, str], RewardModel] = {}
 _LOCK = threading.Lock()
 
@@ -96,6 +103,9 @@ def bind_reward_models(specs: list[RewardSpec], policy) -> None:
         spec.kwargs.setdefault("device", str(policy.family.device))
         kw = spec.kwargs
         for path in member_paths(kw["path"]):
+            if kw.get("server", "vlmrl") == "vllm" or hub_rm.is_hub_folder(path):  # reads text, its own tokenizer
+                member(path, kw)  # loaded (or asked for its models) now: its errors before any step
+                continue
             if is_served(path):  # asks the server's /info: its kind and tokenizer
                 info = served_reward_model(path, kw.get("model"), kw.get("api_key_env"), kw.get("timeout", 120.0),
                                            kw.get("concurrency", 4)).info
@@ -117,12 +127,41 @@ def member_paths(path: str | list[str]) -> list[str]:
     return [str(p) for p in paths]
 
 
+def member(path: str, kw: dict):
+    """The hub RM (a folder) or vLLM client (`server: vllm`) at `path`, made once per process."""
+    if kw.get("server", "vlmrl") not in SERVERS:
+        raise ConfigError(f"reward_model: server={kw['server']!r}; expected one of {SERVERS}")
+    if kw.get("server", "vlmrl") == "vllm":
+        if not is_served(path):
+            raise ConfigError(f"reward_model: server: vllm needs the server's URL as the path, got {path!r}")
+        return hub_rm.vllm_reward_model(path, kw.get("model"), kw.get("api_key_env"), kw.get("timeout", 120.0),
+                                        kw.get("concurrency", 4))
+    return hub_rm.get_hub_reward_model(path, kw.get("device") or default_device(), kw.get("dtype", "float32"))
+
+
+def member_values(path: str, kw: dict, completions: list[str], samples: list[dict], truncated: list[bool],
+                  batch_size: int, request_size: int | None) -> list[Any]:
+    """One member's score (or RewardFailure) of each answer, whatever kind of RM it is."""
+    if kw.get("server", "vlmrl") == "vllm":
+        return member(path, kw).scores(completions, samples, truncated, kw.get("template", "{problem}"),
+                                       kw.get("system"))
+    if is_served(path):
+        return served_reward_model(path, kw.get("model"), kw.get("api_key_env"), kw.get("timeout", 120.0),
+                                   kw.get("concurrency", 4)).scores(completions, samples, truncated, request_size)
+    if hub_rm.is_hub_folder(path):
+        return member(path, kw).scores(completions, samples, truncated, batch_size, kw.get("template", "{problem}"),
+                                       kw.get("system"), kw.get("max_length"))
+    rm = get_reward_model(path, kw.get("device"), kw.get("dtype", "float32"))
+    return member_scores(rm, path, completions, samples, truncated, batch_size)
+
+
 @register_reward(NAME, inline=True, grades=ANSWER_TYPES)
 def reward_model_reward(completions: list[str], *, path: str | list[str], batch_size: int = 16,
                         device: str | None = None, dtype: str = "float32", same_tokenizer: bool = True,
                         ensemble: str = "mean", disagreement_coef: float = 0.0, model: str | None = None,
                         api_key_env: str | None = None, timeout: float = 120.0, concurrency: int = 4,
-                        request_size: int | None = None,
+                        request_size: int | None = None, server: str = "vlmrl", template: str = "{problem}",
+                        system: str | None = None, max_length: int | None = None,
                         images: list[Any] | None = None, completion_truncated: list[bool] | None = None,
                         **columns: Any) -> list[Any]:
     """The RM's score of each answer, from the RM at `path`: an outcome RM's scalar (unbounded; Bradley-Terry gives
@@ -143,7 +182,14 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
     A finished answer is scored with its end-of-turn token after it, as the RM was trained; a truncated one without.
     An answer past the RM's `max_answer_tokens` or a prompt past its `max_prompt_length` is a RewardFailure naming
     both numbers (counted, trains nothing). `same_tokenizer` is checked by `vlmrl train` (`bind_reward_models`).
-    Logged per step: reward/reward_model/too_long (answers or prompts refused for their length)."""
+    Logged per step: reward/reward_model/too_long (answers or prompts refused for their length).
+
+    `path` a Hugging Face `*ForSequenceClassification` folder with one output, or (`server: "vllm"`) the URL of
+    vLLM serving one: the conversation [`system`?, user: `template` filled with the sample's columns, assistant: the
+    answer] through the RM's own chat template, scored as its model card scores it (its raw output); text only, so
+    images are not seen (counted: images_unseen) and the policy's tokenizer is not checked; an answer or prompt
+    holding the RM's special tokens as text is not scored (counted: special_tokens); `max_length` caps the
+    conversation's tokens below the model's own limit (vlmrl.rewards.hub_rm)."""
     if ensemble not in ENSEMBLES:
         raise ConfigError(f"reward_model: ensemble={ensemble!r}; expected one of {ENSEMBLES}")
     n = len(completions)
@@ -151,11 +197,11 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
     image_lists = per_sample(images, n, None)
     samples = [{**{k: v[i] for k, v in columns.items() if isinstance(v, list) and len(v) == n},
                 "images": image_lists[i] or []} for i in range(n)]
-    members = [served_reward_model(p, model, api_key_env, timeout, concurrency).scores(completions, samples,
-                                                                                       truncated, request_size)
-               if is_served(p) else
-               member_scores(get_reward_model(p, device, dtype), p, completions, samples, truncated, batch_size)
-               for p in member_paths(path)]
+    kw = {"device": device, "dtype": dtype, "model": model, "api_key_env": api_key_env, "timeout": timeout,
+          "concurrency": concurrency, "server": server, "template": template, "system": system,
+          "max_length": max_length}
+    paths = member_paths(path)
+    members = [member_values(p, kw, completions, samples, truncated, batch_size, request_size) for p in paths]
     values: list[Any] = []
     spreads = []
     for scores in zip(*members, strict=True):
@@ -171,6 +217,10 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
     too_long = sum(isinstance(v, RewardFailure) and any(k in v.reason for k in TOO_LONG) for v in values)
     no_steps = sum(isinstance(v, RewardFailure) and v.reason.endswith(NO_STEPS) for v in values)
     extra = {"too_long": float(too_long), "no_steps": float(no_steps)}
+    if server == "vllm" or any(hub_rm.is_hub_folder(p) for p in paths):  # text-only RMs: what they did not read
+        extra["images_unseen"] = float(hub_rm.unseen_images(samples))
+        extra["special_tokens"] = float(sum(isinstance(v, RewardFailure) and hub_rm.SPECIAL in v.reason
+                                            for v in values))
     if len(members) > 1 and spreads:
         extra["disagreement"] = sum(spreads) / len(spreads)
     return RewardBatch(values, extra)

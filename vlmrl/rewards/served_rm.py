@@ -71,9 +71,7 @@ class ServedRewardModel:
             raise ConfigError(f"reward_model path {base_url} serves {served!r}, not model={model!r}")
         self.model, self.concurrency = served, max(1, concurrency)
         self._pool = ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="vlmrl-rm-client")
-        self._lock = threading.Lock()
-        self._refusal: tuple[int, str] | None = None  # the last refusal (status, message), and how often in a row
-        self._refusals = 0
+        self.refusals = Refusals(self.endpoint.url)
 
     def scores(self, completions: list[str], samples: list[dict], truncated: list[bool],
                request_size: int | None = None) -> list[Any]:
@@ -118,27 +116,41 @@ class ServedRewardModel:
         try:
             data = self.endpoint.post(body)
         except JudgeRefused as exc:  # a 4xx: these answers have no score; the same one again and again stops
-            self._refused(exc)
+            self.refusals.refused(exc)
             return RewardFailure(str(exc))
         except JudgeError as exc:  # retries spent: these answers have no score
             return RewardFailure(str(exc))
-        with self._lock:
-            self._refusal, self._refusals = None, 0
+        self.refusals.replied()
         if len(data) != len(items):
             return RewardFailure(f"reward model {self.endpoint.url}: {len(data)} scores for {len(items)} answers")
         return [RewardFailure(f"reward model {self.endpoint.url}: {d.get('error') or 'no score'}")
                 if d["score"] is None else float(d["score"]) for d in data]
 
-    def _refused(self, exc) -> None:
-        """Count a refusal; at REFUSAL_LIMIT identical ones in a row (no reply between), stop the run: every later
-        request would be refused the same way (a sample without a column the RM's template needs, a body too big)."""
+
+class Refusals:
+    """A served RM's refusals in a row: at REFUSAL_LIMIT identical ones (no reply between) the run stops, since every
+    later request would be refused the same way (a sample without a column the RM's template needs, a body too big,
+    a model name the server does not serve)."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self._lock = threading.Lock()
+        self._last: tuple[int, str] | None = None  # the last refusal (status, message)
+        self._count = 0  # ... and how often in a row
+
+    def refused(self, exc) -> None:
+        """Count a JudgeRefused; raises ServedRewardModelRefused at the REFUSAL_LIMIT-th identical one in a row."""
         with self._lock:
-            same = self._refusal == (exc.status, exc.message)
-            self._refusal, self._refusals = (exc.status, exc.message), self._refusals + 1 if same else 1
-            if self._refusals < REFUSAL_LIMIT:
+            same = self._last == (exc.status, exc.message)
+            self._last, self._count = (exc.status, exc.message), self._count + 1 if same else 1
+            if self._count < REFUSAL_LIMIT:
                 return
-        raise ServedRewardModelRefused(f"reward model {self.endpoint.url}: {REFUSAL_LIMIT} requests in a row were "
+        raise ServedRewardModelRefused(f"reward model {self.url}: {REFUSAL_LIMIT} requests in a row were "
                                        f"refused with the same HTTP {exc.status}: {exc.message}")
+
+    def replied(self) -> None:
+        with self._lock:
+            self._last, self._count = None, 0
 
 
 def served_reward_model(url: str, model: str | None = None, api_key_env: str | None = None,
