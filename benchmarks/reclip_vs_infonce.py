@@ -60,6 +60,8 @@ VARIANTS = {
     # columns of its caption's text-to-image term (NegCLIP has text negatives only)
     "reclip_cfimg": {"rl.counterfactual_images": 1},
     "reclip_cfimg2": {"rl.counterfactual_images": 2},
+    # ... and each drawn scene taught with its own caption as a pair against the truth's, both ways
+    "reclip_cfpair2": {"rl.counterfactual_images": 2, "rl.counterfactual_pairs": 1.0},
 }
 # the recipe's ReCLIP with a judge trained by vlmrl (benchmarks/reclip_grm.py), served at --grm-url
 LEARNED_JUDGE = {"model": "reclip_grm", "template": "Ground truth: {reference}\nRetrieved: {prediction}",

@@ -114,7 +114,7 @@ def test_counterfactual_columns_belong_to_their_own_truth_only():
     confusions = [[parse_feedback("[IRRELEVANT] relation: left-of != right-of"),
                    parse_feedback("[IRRELEVANT] colour: red != blue; colour: green != red")] for _ in range(4)]
     metrics = {}
-    sims, images = _counterfactual_sims(ctx, [0, 1, 2, 3], img, img, confusions, metrics)
+    sims, images, _ = _counterfactual_sims(ctx, [0, 1, 2, 3], img, img, confusions, metrics)
     assert images is None  # rl.counterfactual_images = 0: no scenes drawn
     owners = (sims > -1e3).long()
     assert sims.shape[0] == 4 and sims.shape[1] == metrics["counterfactual/captions"] * 4
@@ -230,7 +230,7 @@ def test_counterfactual_scenes_are_image_columns_of_their_own_caption_only():
                    for n in it.negatives if n.kind == "relation"] for it in ctx.items]  # the judge on a swap
     metrics = {}
     txt = ctx.student.embed_texts(ctx.store.texts([it.caption for it in ctx.items])).float()
-    _, images = _counterfactual_sims(ctx, [0, 1, 2, 3], img, txt, confusions, metrics)
+    _, images, _ = _counterfactual_sims(ctx, [0, 1, 2, 3], img, txt, confusions, metrics)
     relational = [row for row in range(4) if ctx.items[row].description.relation is not None]
     assert images.shape == (4, len(relational)) and metrics["counterfactual/images"] == len(relational) / 4
     owners = (images > -1e3).long()
@@ -257,11 +257,46 @@ def test_a_sharded_rank_without_counterfactuals_still_runs_the_text_tower_once(m
     embed = ctx.student.embed_texts
     monkeypatch.setattr(ctx.student, "embed_texts", lambda inputs: calls.append(1) or embed(inputs))
     img = torch.nn.functional.normalize(torch.randn(4, 16), dim=-1).requires_grad_()
-    sims, _ = _counterfactual_sims(ctx, [0, 1, 2, 3], img, img, [[] for _ in range(4)], {})
+    sims, _, _ = _counterfactual_sims(ctx, [0, 1, 2, 3], img, img, [[] for _ in range(4)], {})
     assert calls == [] and sims.shape == (4, 0)
     ctx.par = SimpleNamespace(sharded=True)
     metrics = {}
-    sims, _ = _counterfactual_sims(ctx, [0, 1, 2, 3], img, img, [[] for _ in range(4)], metrics)
+    sims, _, _ = _counterfactual_sims(ctx, [0, 1, 2, 3], img, img, [[] for _ in range(4)], metrics)
     assert calls == [1] and sims.shape == (4, 1) and (sims <= -1e4).all() and metrics["counterfactual/captions"] == 0
     sims.sum().backward()
     assert img.grad.abs().sum() == 0  # masked everywhere: no gradient reaches the embeddings
+
+
+def test_counterfactual_pairs_by_hand():
+    """pair_loss on 2-d unit vectors, worked by hand. One row, scale 1: the scene matches its caption (1) and not
+    the truth's caption (0), the caption its scene (1) and not the truth's image (0): each side is
+    -log(e / (e + 1)) = log(1 + e^-1) = 0.31326, the mean of the two 0.31326. Two rows over a batch of 2, scale 2,
+    the second row: scene (0.6, 0.8), caption (1, 0), truth image (1, 0), truth caption (0, 1): match 0.6, the scene
+    is 0.8 from the truth's caption -> log(1 + e^(2 (0.8 - 0.6))) = 0.91301; the caption is 1.0 from the truth's image
+    -> log(1 + e^(2 (1 - 0.6))) = 1.17110."""
+    from vlmrl.reclip.losses import pair_loss
+
+    x, y = torch.tensor([[1.0, 0.0]]), torch.tensor([[0.0, 1.0]])
+    assert pair_loss(x, x, y, y, 1.0, 1).item() == pytest.approx(0.31326, abs=1e-5)
+    scene, caption = torch.tensor([[1.0, 0.0], [0.6, 0.8]]), torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    truth_image, truth_caption = torch.tensor([[0.0, 1.0], [1.0, 0.0]]), torch.tensor([[0.0, 1.0], [0.0, 1.0]])
+    first = 0.5 * (2 * 0.126928)  # scale 2, row 1: log(1 + e^-2) = 0.126928 each way
+    assert pair_loss(scene, caption, truth_image, truth_caption, 2.0, 2).item() == pytest.approx(
+        (first + 0.5 * (0.91301 + 1.17110)) / 2, abs=1e-5)
+
+
+def test_counterfactual_pairs_join_the_anchor_only_with_drawn_scenes():
+    """rl.counterfactual_pairs: the drawn scenes' pair term is in the step's loss (logged) and its gradient is not
+    the same step's without it; it needs drawn scenes."""
+    def step(**kw):
+        torch.manual_seed(0)
+        ctx = tiny_ctx(8, counterfactuals=2, counterfactual_images=1, **kw)
+        metrics = reclip_step(ctx, list(range(8)))  # (lr 0: the step leaves its gradient, not a move)
+        return metrics, torch.cat([p.grad.flatten() for p in ctx.student.parameters() if p.grad is not None])
+
+    plain, before = step()
+    paired, after = step(counterfactual_pairs=1.0)
+    assert "counterfactual/pair_loss" not in plain and paired["counterfactual/pair_loss"] > 0
+    assert paired["loss"] > plain["loss"] and not torch.allclose(before, after)
+    with pytest.raises(ConfigError, match="rl.counterfactual_pairs"):
+        load_reclip_config(None, ["rl.counterfactual_pairs=1"])

@@ -84,6 +84,10 @@ class RLConfig:
     # per truth, up to this many of its counterfactual captions also drawn as new scenes (built-in scene captions; a
     # caption outside their grammar is counted, not drawn): extra image columns of its caption's text-to-image term
     counterfactual_images: Count = 0
+    # the weight (times anchor_weight) of a term that teaches each drawn scene with its own caption as a pair against
+    # the truth's, both ways: the scene must match its caption over the truth's, the caption its scene over the
+    # truth's image (the student's confusion, drawn and named); 0 = the scenes are only negatives
+    counterfactual_pairs: NonNegative = 0.0
     kl_weight: NonNegative = 0.0  # + weight * KL(pi_start || pi) on the batch: distillation to the warm-start student
     max_grad_norm: Positive = 1.0
 
@@ -159,6 +163,10 @@ RULES: tuple[Rule, ...] = (
          lambda c: ("rl.counterfactual_images draws counterfactual captions as scenes; set rl.counterfactuals >= "
                     "rl.counterfactual_images or rl.counterfactual_images=0")
          if c.rl.counterfactual_images > c.rl.counterfactuals else None),
+    Rule(("rl.counterfactual_pairs", "rl.counterfactual_images"), "`rl.counterfactual_pairs` needs drawn scenes",
+         lambda c: ("rl.counterfactual_pairs teaches the drawn counterfactual scenes as pairs; set "
+                    "rl.counterfactual_images >= 1 or rl.counterfactual_pairs=0")
+         if c.rl.counterfactual_pairs and not c.rl.counterfactual_images else None),
     Rule(("rl.counterfactuals", "rl.anchor_weight"), "`rl.counterfactuals` needs `rl.anchor_weight` > 0", lambda c: (
         "rl.counterfactuals: the counterfactual captions join the anchor's InfoNCE; set rl.anchor_weight > 0 or "
         "rl.counterfactuals=0") if c.rl.counterfactuals and not c.rl.anchor_weight else None),

@@ -113,6 +113,19 @@ def info_nce(sim: torch.Tensor, scale: torch.Tensor | float, targets: torch.Tens
                   + F.cross_entropy(per_caption[lo:hi], t, reduction="sum")) / b
 
 
+def pair_loss(scene: torch.Tensor, caption: torch.Tensor, truth_image: torch.Tensor, truth_caption: torch.Tensor,
+              scale: torch.Tensor | float, batch: int) -> torch.Tensor:
+    """Counterfactual pairs, both ways, as their share of the mean over a batch of `batch` truths: for each of the N
+    rows (unit embeddings [N, D]), a drawn scene and the caption it was drawn from against the truth's pair:
+    ( CE(scale * [s.c, s.truth_caption], 0) + CE(scale * [c.s, c.truth_image], 0) ) / 2, summed, / batch."""
+    match = (scene * caption).sum(-1)
+    i2t = torch.stack([match, (scene * truth_caption).sum(-1)], 1)  # the scene: its caption, or the truth's?
+    t2i = torch.stack([match, (caption * truth_image).sum(-1)], 1)  # the caption: its scene, or the truth's image?
+    target = torch.zeros(len(scene), dtype=torch.long, device=scene.device)
+    return 0.5 * (F.cross_entropy(scale * i2t, target, reduction="sum")
+                  + F.cross_entropy(scale * t2i, target, reduction="sum")) / batch
+
+
 def distill_kl(logp_student: torch.Tensor, logp_reference: torch.Tensor) -> torch.Tensor:
     """KL(pi_ref || pi_student) per query, averaged: sum_c pi_ref (log pi_ref - log pi_student). Keeps the
     retrieval distributions near the starting student's so representations do not collapse."""

@@ -27,6 +27,7 @@ from vlmrl.reclip.losses import (
     group_advantages,
     info_nce,
     log_policy_advantages,
+    pair_loss,
     pick_candidates,
     policy_weighted_advantages,
     reinforce_loss,
@@ -276,12 +277,16 @@ def reclip_step(ctx: StepContext, idx: list[int]) -> dict[str, float]:
             loss = loss + rl.kl_weight * _kl_to_reference(ctx, idx, texts, direction, s, tau, (lo, hi))
     if rl.anchor_weight > 0:
         image_extra = None
+        pairs = None
         if rl.counterfactuals:  # the reasons, applied to each truth's caption: its own extra negative columns
-            text_cf, image_extra = _counterfactual_sims(ctx, idx, img, txt[:b], confusions, sums)
+            text_cf, image_extra, pairs = _counterfactual_sims(ctx, idx, img, txt[:b], confusions, sums)
             sim = torch.cat([sim, text_cf], 1)
         nce = info_nce(sim, scale, rows=(lo, hi), image_extra=image_extra)
         loss = loss + rl.anchor_weight * nce
         sums["anchor_infonce"] = nce.item()
+        if pairs is not None:
+            loss = loss + rl.anchor_weight * rl.counterfactual_pairs * pairs
+            sums["counterfactual/pair_loss"] = pairs.item()
     grad_norm = _apply(ctx, loss, rl.max_grad_norm)
     sums["loss"] = loss.item()
     ctx.scorer.share(par)
@@ -305,13 +310,13 @@ def _counterfactual_sims(ctx: StepContext, idx: list[int], img: torch.Tensor, tx
         if not feedbacks:  # another rank's query (or no judged miss)
             continue
         made, missed = gather(ctx.items[item].caption, feedbacks, ctx.rl.counterfactuals)
+        drawn += [(row, text, len(texts) + k) for k, text in enumerate(made[:ctx.rl.counterfactual_images])]
         owners += [row] * len(made)
         texts += made
         unrouted += missed
-        drawn += [(row, text) for text in made[:ctx.rl.counterfactual_images]]
     sums["counterfactual/captions"] = len(texts) / len(idx)  # this rank's share of the mean per truth
     sums["counterfactual/unrouted_reasons"] = unrouted
-    text_cols = img.new_zeros((len(idx), 0))
+    text_cols, cf = img.new_zeros((len(idx), 0)), None
     if not texts and ctx.par.sharded:  # a sharded tower's forward needs every rank: a column no row owns (masked,
         texts, owners = [ctx.items[idx[0]].caption], [-1]  # so it changes neither the loss nor any gradient)
     if texts:
@@ -320,9 +325,9 @@ def _counterfactual_sims(ctx: StepContext, idx: list[int], img: torch.Tensor, tx
         own = torch.tensor(owners)[None, :] == torch.arange(len(idx))[:, None]
         text_cols = (img @ cf.T).masked_fill(~own, -1.0e4)
     if not ctx.rl.counterfactual_images:
-        return text_cols, None
-    scenes = []  # (row, key, objects): the same key always draws the same scene
-    for row, text in drawn:
+        return text_cols, None, None
+    scenes = []  # (row, key, side, objects, the caption's index in texts): the same key always draws the same scene
+    for row, text, k in drawn:
         item = ctx.items[idx[row]]
         desc, side = parse_caption(text), item.image.width
         try:
@@ -330,20 +335,25 @@ def _counterfactual_sims(ctx: StepContext, idx: list[int], img: torch.Tensor, tx
         except DataError:  # does not fit the canvas
             objects = None
         if objects is not None:
-            scenes.append((row, f"{item.id}|{text}", side, objects))
+            scenes.append((row, f"{item.id}|{text}", side, objects, k))
     sums["counterfactual/images"] = len(scenes) / len(idx)
     sums["counterfactual/undrawn_captions"] = len(drawn) - len(scenes)
     if not scenes:
-        return text_cols, txt.new_zeros((len(idx), 0))
+        return text_cols, txt.new_zeros((len(idx), 0)), None
 
     def draw(side: int, objects: list[dict]):
         return lambda: render_scene(side, objects)
 
-    made = ctx.store.rendered([(key, draw(side, objects)) for _, key, side, objects in scenes])
+    made = ctx.store.rendered([(key, draw(side, objects)) for _, key, side, objects, _ in scenes])
     with precision_context(ctx.student, ctx.precision):
         cf_img = ctx.student.embed_images(made).float()
-    own = torch.tensor([row for row, *_ in scenes])[None, :] == torch.arange(len(idx))[:, None]
-    return text_cols, (txt @ cf_img.T).masked_fill(~own, -1.0e4)
+    rows = torch.tensor([row for row, *_ in scenes])
+    own = rows[None, :] == torch.arange(len(idx))[:, None]
+    pairs = None
+    if ctx.rl.counterfactual_pairs:  # each scene and its own caption, a pair against the truth's, both ways
+        cf_txt = cf[torch.tensor([k for *_, k in scenes])]
+        pairs = pair_loss(cf_img, cf_txt, img[rows], txt[rows], ctx.student.logit_scale.exp(), len(idx))
+    return text_cols, (txt @ cf_img.T).masked_fill(~own, -1.0e4), pairs
 
 
 def _kl_to_reference(ctx: StepContext, idx, texts, direction: str, s: torch.Tensor, tau,
