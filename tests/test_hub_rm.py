@@ -193,3 +193,10 @@ def test_a_built_in_prompt_renders_through_the_default_template(hub_rm):
     columns = {k: [r[k] for r in rows] for k in ("problem", "solution", "images")}
     rewards = _rewards(hub_rm, ["<answer>2</answer>", "<answer>5</answer>"], columns)
     assert rewards.failures["reward_model"] == 0 and None not in rewards.components["reward_model"]
+
+
+def test_vlmrl_serve_points_a_hub_rm_at_vllm(hub_rm, capsys):
+    from vlmrl.cli import main
+
+    assert main(["serve", str(hub_rm)]) == 2  # refused before anything loads or listens
+    assert f"vllm serve {hub_rm} --runner pooling" in capsys.readouterr().err

@@ -168,6 +168,13 @@ def cmd_serve(args) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
+    from vlmrl.rewards.hub_rm import is_hub_folder
+
+    if is_hub_folder(args.model):
+        raise ConfigError(f"{args.model} is a Hugging Face sequence classifier (a published reward model), which vLLM "
+                          f"serves: `vllm serve {args.model} --runner pooling`, with {{name: reward_model, path: "
+                          "http://HOST:PORT/v1, kwargs: {server: vllm}} in the recipe; or give the folder itself as "
+                          "the reward's path to score in the trainer (docs/rewards.md)")
     student = student_folder(args.model)
     from vlmrl.serve.rewards import is_reward_model
 
