@@ -200,3 +200,47 @@ def test_vlmrl_serve_points_a_hub_rm_at_vllm(hub_rm, capsys):
 
     assert main(["serve", str(hub_rm)]) == 2  # refused before anything loads or listens
     assert f"vllm serve {hub_rm} --runner pooling" in capsys.readouterr().err
+
+
+def test_a_vllm_process_rm_client_sends_tagged_steps_and_refuses_what_it_cannot_score():
+    """The process client against a server that answers as vLLM's step pooling does (one [wrong, right] pair per
+    step tag; the real engine is checked in tests/test_vllm_real.py): the steps go out tagged, the aggregate is
+    applied, and an answer without steps, one that writes the step token, or a reply with too few steps is a counted
+    failure."""
+    from fastapi import FastAPI
+
+    from tests.test_serve_chat import running
+    from vlmrl.rewards.hub_prm import step_texts
+    from vlmrl.serve.guard import ServeLimits
+
+    app, seen = FastAPI(), []
+    app.state.limits = ServeLimits()
+
+    @app.get("/v1/models")
+    def models():
+        return {"object": "list", "data": [{"id": "prm"}]}
+
+    @app.post("/pooling")
+    def pooling(body: dict):
+        content = body["messages"][-1]["content"]
+        seen.append(content)
+        steps = content.split("<extra_0>")[:-1]
+        probs = [[1 - 0.1 * len(s), 0.1 * len(s)] for s in steps][: 1 if "short" in content else None]
+        return {"data": [{"index": 0, "object": "pooling", "data": probs}]}
+
+    answers = ["<think>ab\nabc</think><answer>1</answer>", "<answer>1</answer>", "<think>a<extra_0>b</think>",
+               "<think>short\nreply</think>"]
+    columns = _columns(["p"] * 4)
+    with running(app) as url:
+        got = _rewards(f"{url}/v1", answers, columns, server="vllm", process={"aggregate": "mean"})
+    scores = got.components["reward_model"]
+    assert seen[0] == "ab<extra_0>abc\n<answer>1</answer><extra_0>"  # the answer joins the last step
+    # the stub pays 0.1 per character: "ab" 0.2, "abc\n<answer>1</answer>" (22 characters) 2.2; their mean
+    assert scores[0] == pytest.approx((0.2 + 2.2) / 2) and scores[1:] == [None, None, None]
+    extra = got.extra["reward_model"]
+    assert extra["no_steps"] == 1 and extra["special_tokens"] == 1 and got.failures["reward_model"] == 3
+    assert step_texts("<think>three</think>3", "lines", "think") == ["three\n3"]
+    with pytest.raises(ConfigError, match="process settings are for a process RM served by vLLM"):
+        from vlmrl.rewards.reward_model import member
+
+        member("runs/rm", {"process": {}})

@@ -314,34 +314,13 @@ def test_a_hub_reward_model_served_by_vllm_scores_what_transformers_does(tmp_pat
     answer's score equals the in-process one (the model card's, tests/test_hub_rm.py) to float32 rounding; an answer
     left open (truncated), a conversation past the served context and one Qwen3's template cannot leave open are
     failures counted as the in-process RM counts them."""
-    import socket
-    import time
-
-    import httpx
-
     from vlmrl.models.hub_fixture import build_reward_classifier_folder
     from vlmrl.rewards import compute_rewards
     from vlmrl.rewards.registry import RewardSpec
 
     folder = build_reward_classifier_folder(tmp_path / "rm", max_length=256)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = (tmp_path / "vllm_serve.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
-                               "--runner", "pooling", "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
-                               "--port", str(port), "--max-model-len", "256"], stdout=log, stderr=subprocess.STDOUT,
-                              env=clean_env())
+    server, url = serve_with_vllm(folder, tmp_path / "vllm_serve.log", max_model_len=256)
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "vllm_serve.log").read_text()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2, trust_env=False).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
         answers = ["<think>two and one</think><answer>3</answer>", "red", "<answer>yes</answer>", "I am not sure.",
                    "word " * 300, "cut sh", "<think>cut</think><answer>2", "fine"]
         columns = {"problem": ["How many circles?", "What colour?", "Left of it?", "How many?", "Why?",
@@ -352,7 +331,7 @@ def test_a_hub_reward_model_served_by_vllm_scores_what_transformers_does(tmp_pat
             return compute_rewards([RewardSpec("reward_model", kwargs={"path": path, **kw})], answers, columns)
 
         local = score(str(folder), max_length=256)
-        served = score(f"http://127.0.0.1:{port}/v1", server="vllm", concurrency=3)
+        served = score(url, server="vllm", concurrency=3)
         mine, theirs = local.components["reward_model"], served.components["reward_model"]
         assert [v is None for v in theirs] == [v is None for v in mine] == [False] * 4 + [True, False, True, False]
         assert [v for v in theirs if v is not None] == pytest.approx([v for v in mine if v is not None], abs=1e-4)
@@ -362,4 +341,111 @@ def test_a_hub_reward_model_served_by_vllm_scores_what_transformers_does(tmp_pat
     finally:
         server.terminate()
         server.wait(60)
-        log.close()
+
+
+def build_process_rm(folder: Path, seed: int = 0) -> dict:
+    """A random Qwen2ForProcessRewardModel laid out as Qwen2.5-Math-PRM is (a Qwen2 body, score = Linear, ReLU,
+    Linear to 2 classes) with the real Qwen tokenizer, whose id 151651 (vLLM's default step tag, `<extra_0>` in
+    the PRM's own tokenizer) is `<|quad_end|>` here; returns its state dict."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import Qwen2Config, Qwen2Model
+
+    from vlmrl.models.hub_fixture import TOKENIZER_FILES, qwen_tokenizer_dir
+
+    folder.mkdir(parents=True)
+    for name in TOKENIZER_FILES:
+        shutil.copy(qwen_tokenizer_dir() / name, folder / name)
+    config = Qwen2Config(vocab_size=151936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, num_labels=2,
+                         tie_word_embeddings=False, initializer_range=0.1)
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    state = {f"model.{k}": v for k, v in Qwen2Model(config).state_dict().items()}
+    state |= {"score.0.weight": 0.2 * torch.randn(64, 64, generator=g), "score.0.bias": 0.1 * torch.randn(64, generator=g),
+              "score.2.weight": 0.2 * torch.randn(2, 64, generator=g), "score.2.bias": 0.1 * torch.randn(2, generator=g)}
+    save_file({k: v.contiguous() for k, v in state.items()}, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["Qwen2ForProcessRewardModel"]}))
+    return state
+
+
+def model_card_step_rewards(folder: Path, state: dict, messages: list[dict], step_id: int = 151651) -> list[float]:
+    """Qwen2.5-Math-PRM's model-card scoring, written out: the chat template's ids, the body's hidden states, the
+    score head, softmax over the 2 classes, the "right" probability at each step token (make_step_rewards)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2Model
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    body = Qwen2Model(Qwen2Config.from_pretrained(folder)).eval()
+    body.load_state_dict({k[6:]: v for k, v in state.items() if k.startswith("model.")})
+    ids = tokenizer(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False,
+                    return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        h = body(input_ids=ids).last_hidden_state[0]
+        logits = torch.relu(h @ state["score.0.weight"].T + state["score.0.bias"]) @ state["score.2.weight"].T
+        probs = (logits + state["score.2.bias"]).softmax(-1)
+    return probs[ids[0] == step_id][:, 1].tolist()
+
+
+def serve_with_vllm(folder: Path, log: Path, max_model_len: int = 1024):
+    """`vllm serve FOLDER --runner pooling` (its OpenAI server module) on a free port; returns (process, URL)."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+                               "--runner", "pooling", "--dtype", "float32", "--enforce-eager", "--host", "127.0.0.1",
+                               "--port", str(port), "--max-model-len", str(max_model_len)],
+                              stdout=log.open("w"), stderr=subprocess.STDOUT, env=clean_env())
+    deadline = time.monotonic() + 300
+    while True:
+        assert server.poll() is None and time.monotonic() < deadline, log.read_text()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2, trust_env=False).status_code == 200:
+                return server, f"http://127.0.0.1:{port}/v1"
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+
+
+def test_a_published_process_rm_served_by_vllm_scores_each_step_as_its_model_card(tmp_path):
+    """Qwen2.5-Math-PRM's layout served by the real engine's step pooling: through `{server: vllm, process: ...}`
+    each answer's steps (the think block's lines, the answer block joining the last) get the model card's
+    probabilities, aggregated as asked; a step token the server does not tag is a counted failure, not a guess."""
+    from vlmrl.rewards import compute_rewards
+    from vlmrl.rewards.registry import RewardSpec
+
+    folder = tmp_path / "prm"
+    state = build_process_rm(folder)
+    server, url = serve_with_vllm(folder, tmp_path / "vllm_prm.log")
+    try:
+        system = "Please reason step by step."
+        answers = ["<think>one circle\nanother one\nso 2</think><answer>2</answer>", "<think>three</think>3",
+                   "<answer>2</answer>"]
+        columns = {"problem": ["How many circles?"] * 3, "solution": ["2"] * 3}
+        steps = [["one circle", "another one", "so 2\n<answer>2</answer>"], ["three\n3"]]
+
+        def score(**process):
+            spec = RewardSpec("reward_model", kwargs={"path": url, "server": "vllm", "system": system,
+                                                      "process": {"step_token": "<|quad_end|>", **process}})
+            return compute_rewards([spec], answers, columns)
+
+        expected = [model_card_step_rewards(folder, state, [
+            {"role": "system", "content": system}, {"role": "user", "content": "How many circles?"},
+            {"role": "assistant", "content": "".join(f"{s}<|quad_end|>" for s in answer)}]) for answer in steps]
+        assert [len(e) for e in expected] == [3, 1]
+        got = score(aggregate="min")
+        assert got.components["reward_model"][:2] == pytest.approx([min(e) for e in expected], abs=1e-4)
+        assert got.components["reward_model"][2] is None and got.extra["reward_model"]["no_steps"] == 1
+        last = score(aggregate="last").components["reward_model"]
+        assert last[:2] == pytest.approx([e[-1] for e in expected], abs=1e-4) and last[0] != pytest.approx(
+            min(expected[0]), abs=1e-3)  # the aggregate is applied, not a fixed step
+        other = score(step_token="<|quad_start|>")  # not the server's step tag: no step scores come back
+        assert other.components["reward_model"] == [None] * 3 and "step scores for" in other.errors["reward_model"]
+    finally:
+        server.terminate()
+        server.wait(60)

@@ -47,7 +47,6 @@ SPECIAL = "a special token of the reward model's tokenizer"  # what a refused sp
 # the control tokens of ChatML/Qwen/Llama 3/Phi (<|...|>), Gemma and Mistral/Llama 2, for a served RM's texts
 CONTROL_TOKENS = re.compile(r"<\|[^\s<>|]{1,40}\|>|<start_of_turn>|<end_of_turn>|\[/?INST\]")
 _MODELS: dict[tuple[str, str, str], HubRewardModel] = {}
-_CLIENTS: dict[tuple[str, str | None], VllmRewardModel] = {}
 _LOCK = threading.Lock()
 
 
@@ -219,6 +218,10 @@ class VllmRewardModel:
     per answer, chat form, raw output."""
 
     kind = "outcome"
+    route = "/classify"  # vLLM's pooling routes sit beside /v1, not under it
+
+    def parse(self, raw: bytes, attempts: int) -> Any:
+        return classify_reply(raw, attempts)
 
     def __init__(self, base_url: str, model: str | None = None, api_key_env: str | None = None,
                  timeout: float = 120.0, concurrency: int = 4, max_retries: int = 3):
@@ -230,11 +233,11 @@ class VllmRewardModel:
         api_key = os.environ.get(api_key_env) if api_key_env else None
         if api_key_env and not api_key:
             raise ConfigError(f"reward_model api_key_env={api_key_env}: that environment variable is not set")
-        root = base_url.rstrip("/").removesuffix("/v1")  # vLLM serves /classify beside /v1, not under it
+        root = base_url.rstrip("/").removesuffix("/v1")
         self.endpoint = ChatEndpoint(root, api_key=api_key, api_key_env=api_key_env, timeout=timeout,
                                      max_retries=max_retries, backoff_base=0.5, backoff_max=10.0, retry_after_max=30.0,
                                      connect_window=120.0, concurrency=concurrency, count=lambda _name: None,
-                                     path="/classify", parse=classify_reply, what="reward model")
+                                     path=self.route, parse=self.parse, what="reward model")
         try:
             served = [m["id"] for m in self.endpoint.get_json("/v1/models", timeout=min(30.0, timeout))["data"]]
         except Exception as exc:  # noqa: BLE001 - any failure is reported the same way
@@ -259,7 +262,7 @@ class VllmRewardModel:
             values[i] = value
         return values
 
-    def _post(self, body: dict) -> float | RewardFailure:
+    def _post(self, body: dict) -> Any:
         from vlmrl.rewards.judge_http import JudgeError, JudgeRefused
 
         try:
@@ -276,13 +279,3 @@ class VllmRewardModel:
             return RewardFailure(str(exc))
         self.refusals.replied()
         return value
-
-
-def vllm_reward_model(url: str, model: str | None = None, api_key_env: str | None = None, timeout: float = 120.0,
-                      concurrency: int = 4) -> VllmRewardModel:
-    """The process-wide client of the vLLM-served RM at `url` (made once: it asks /v1/models)."""
-    key = (url.rstrip("/"), model)
-    with _LOCK:
-        if key not in _CLIENTS:
-            _CLIENTS[key] = VllmRewardModel(url, model, api_key_env, timeout, concurrency)
-        return _CLIENTS[key]

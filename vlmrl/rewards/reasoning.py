@@ -97,6 +97,9 @@ def _piece_spans(text: str, start: int, end: int, split: str) -> list[tuple[int,
     return spans
 
 
+NO_STEPS = "no reasoning steps: a process reward model scores an answer by its steps"  # a PRM's failure reason
+
+
 def step_spans(completion: str, split: str = "lines", think_tag: str = "think") -> list[tuple[int, int]]:
     """Character spans [start, end) of a completion's reasoning steps, in order: the steps of its think blocks, or,
     when they hold no text, of everything outside its last answer block. What the `process` reward scores and where

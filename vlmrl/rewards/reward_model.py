@@ -30,8 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from vlmrl.errors import ConfigError
 from vlmrl.models.preflight import resolve_model
-from vlmrl.rewards import hub_rm
+from vlmrl.rewards import hub_prm, hub_rm
 from vlmrl.rewards.columns import per_sample
+from vlmrl.rewards.reasoning import NO_STEPS
 from vlmrl.rewards.registry import RewardBatch, RewardFailure, RewardSpec, register_reward
 from vlmrl.rewards.served_rm import is_served, served_reward_model
 from vlmrl.rewards.verifiable import ANSWER_TYPES
@@ -42,11 +43,11 @@ if TYPE_CHECKING:
 # torch and the model code load on first use: importing the rewards (every command does) stays light
 
 NAME = "reward_model"
-NO_STEPS = "no reasoning steps: a process reward model scores an answer by its steps"
 # what the reason of an answer or prompt too long names
 TOO_LONG = ("max_answer_tokens", "max_prompt_length", hub_rm.TOO_LONG)
 SERVERS = ("vlmrl", "vllm")  # what serves an RM at a URL: `vlmrl serve RM`, or vLLM (a hub sequence classifier)
 _MODELS: dict[tuple[str, str, str], RewardModel] = {}
+_VLLM_CLIENTS: dict[tuple[str, str | None, type], hub_rm.VllmRewardModel] = {}
 _LOCK = threading.Lock()
 
 
@@ -131,11 +132,19 @@ def member(path: str, kw: dict):
     """The hub RM (a folder) or vLLM client (`server: vllm`) at `path`, made once per process."""
     if kw.get("server", "vlmrl") not in SERVERS:
         raise ConfigError(f"reward_model: server={kw['server']!r}; expected one of {SERVERS}")
+    if kw.get("process") is not None and kw.get("server", "vlmrl") != "vllm":
+        raise ConfigError(f"reward_model {path}: process settings are for a process RM served by vLLM (server: vllm); "
+                          "an RM `vlmrl rm train` made carries its own in reward_model.json")
     if kw.get("server", "vlmrl") == "vllm":
         if not is_served(path):
             raise ConfigError(f"reward_model: server: vllm needs the server's URL as the path, got {path!r}")
-        return hub_rm.vllm_reward_model(path, kw.get("model"), kw.get("api_key_env"), kw.get("timeout", 120.0),
-                                        kw.get("concurrency", 4))
+        kind = hub_prm.VllmProcessRewardModel if kw.get("process") is not None else hub_rm.VllmRewardModel
+        key = (path.rstrip("/"), kw.get("model"), kind)
+        with _LOCK:  # one client per server, model and kind in the process (made once: it asks /v1/models)
+            if key not in _VLLM_CLIENTS:
+                _VLLM_CLIENTS[key] = kind(path, kw.get("model"), kw.get("api_key_env"), kw.get("timeout", 120.0),
+                                          kw.get("concurrency", 4))
+            return _VLLM_CLIENTS[key]
     return hub_rm.get_hub_reward_model(path, kw.get("device") or default_device(), kw.get("dtype", "float32"))
 
 
@@ -143,8 +152,9 @@ def member_values(path: str, kw: dict, completions: list[str], samples: list[dic
                   batch_size: int, request_size: int | None) -> list[Any]:
     """One member's score (or RewardFailure) of each answer, whatever kind of RM it is."""
     if kw.get("server", "vlmrl") == "vllm":
+        extra = {} if kw.get("process") is None else {"process": kw["process"]}  # a process RM's step settings
         return member(path, kw).scores(completions, samples, truncated, kw.get("template", "{problem}"),
-                                       kw.get("system"))
+                                       kw.get("system"), **extra)
     if is_served(path):
         return served_reward_model(path, kw.get("model"), kw.get("api_key_env"), kw.get("timeout", 120.0),
                                    kw.get("concurrency", 4)).scores(completions, samples, truncated, request_size)
@@ -161,7 +171,7 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
                         ensemble: str = "mean", disagreement_coef: float = 0.0, model: str | None = None,
                         api_key_env: str | None = None, timeout: float = 120.0, concurrency: int = 4,
                         request_size: int | None = None, server: str = "vlmrl", template: str = "{problem}",
-                        system: str | None = None, max_length: int | None = None,
+                        system: str | None = None, max_length: int | None = None, process: dict | None = None,
                         images: list[Any] | None = None, completion_truncated: list[bool] | None = None,
                         **columns: Any) -> list[Any]:
     """The RM's score of each answer, from the RM at `path`: an outcome RM's scalar (unbounded; Bradley-Terry gives
@@ -189,7 +199,9 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
     answer] through the RM's own chat template, scored as its model card scores it (its raw output); text only, so
     images are not seen (counted: images_unseen) and the policy's tokenizer is not checked; an answer or prompt
     holding the RM's special tokens as text is not scored (counted: special_tokens); `max_length` caps the
-    conversation's tokens below the model's own limit (vlmrl.rewards.hub_rm)."""
+    conversation's tokens below the model's own limit (vlmrl.rewards.hub_rm). With `process` (a dict, {} for its
+    defaults) the vLLM-served RM is a process RM such as Qwen2.5-Math-PRM: the steps joined by its step token, one
+    probability per step, aggregated (vlmrl.rewards.hub_prm)."""
     if ensemble not in ENSEMBLES:
         raise ConfigError(f"reward_model: ensemble={ensemble!r}; expected one of {ENSEMBLES}")
     n = len(completions)
@@ -199,7 +211,7 @@ def reward_model_reward(completions: list[str], *, path: str | list[str], batch_
                 "images": image_lists[i] or []} for i in range(n)]
     kw = {"device": device, "dtype": dtype, "model": model, "api_key_env": api_key_env, "timeout": timeout,
           "concurrency": concurrency, "server": server, "template": template, "system": system,
-          "max_length": max_length}
+          "max_length": max_length, "process": process}
     paths = member_paths(path)
     members = [member_values(p, kw, completions, samples, truncated, batch_size, request_size) for p in paths]
     values: list[Any] = []
