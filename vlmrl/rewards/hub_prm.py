@@ -80,7 +80,7 @@ class VllmProcessRewardModel(VllmRewardModel):
                               f"aggregate one of {AGGREGATES}")
         token = cfg["step_token"]
         special = re.compile(f"{CONTROL_TOKENS.pattern}|{re.escape(token)}")
-        values: list[Any] = conversations(completions, samples, truncated, template, system, special,
+        values: list[Any] = conversations(completions, samples, template, system, special,
                                           f"reward_model {self.endpoint.url}")
         steps: dict[int, int] = {}
         for i, messages in enumerate(values):

@@ -67,8 +67,8 @@ def is_hub_folder(path: Any) -> bool:
     return any(str(a).endswith(ARCHITECTURE) for a in architectures)
 
 
-def conversations(completions: list[str], samples: list[dict], truncated: list[bool], template: str,
-                  system: str | None, special: re.Pattern, where: str) -> list[list[dict] | RewardFailure]:
+def conversations(completions: list[str], samples: list[dict], template: str, system: str | None,
+                  special: re.Pattern, where: str) -> list[list[dict] | RewardFailure]:
     """Each answer's messages [system?, user, assistant], or a RewardFailure for text holding a special token.
     A template column a sample does not have stops the run (TemplateColumnMissing)."""
     out: list[list[dict] | RewardFailure] = []
@@ -150,7 +150,7 @@ class HubRewardModel:
         import torch
 
         limit = min(max_length or self.max_length, self.max_length)
-        values: list[Any] = conversations(completions, samples, truncated, template, system, self.special,
+        values: list[Any] = conversations(completions, samples, template, system, self.special,
                                           f"reward_model {self.folder}")
         ids: dict[int, list[int]] = {}
         for i, messages in enumerate(values):
@@ -253,7 +253,7 @@ class VllmRewardModel:
     def scores(self, completions: list[str], samples: list[dict], truncated: list[bool],
                template: str = "{problem}", system: str | None = None) -> list[Any]:
         """Each answer's score (the classifier's raw output), or a RewardFailure saying why it has none."""
-        values: list[Any] = conversations(completions, samples, truncated, template, system, CONTROL_TOKENS,
+        values: list[Any] = conversations(completions, samples, template, system, CONTROL_TOKENS,
                                           f"reward_model {self.endpoint.url}")
         todo = [i for i, v in enumerate(values) if not isinstance(v, RewardFailure)]
         bodies = [{"model": self.model, "messages": values[i], "use_activation": False,
