@@ -244,3 +244,18 @@ def test_a_vllm_process_rm_client_sends_tagged_steps_and_refuses_what_it_cannot_
         from vlmrl.rewards.reward_model import member
 
         member("runs/rm", {"process": {}})
+
+
+def test_a_huge_text_is_refused_before_it_is_tokenised(hub_rm):
+    """A 20 MB answer cannot fit max_length tokens, whatever its tokens: refused by its length in characters, in well
+    under the seconds tokenising it would take, and counted as too long."""
+    import time
+
+    rm = HubRewardModel(str(hub_rm))
+    called = []
+    ids = rm.ids
+    rm.ids = lambda *a: called.append(1) or ids(*a)
+    t0 = time.perf_counter()
+    (value,) = rm.scores(["x" * 20_000_000], [{"problem": "p"}], [False])
+    assert "characters, more than this reward model's max_length" in value.reason and called == []
+    assert time.perf_counter() - t0 < 5

@@ -135,6 +135,9 @@ class HubRewardModel:
         tokens = ({str(t) for t in self.tokenizer.all_special_tokens}
                   | {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special})
         self.special = re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True) if t))
+        # no token spells more characters than its vocabulary entry (vlmrl's processor bounds prompts the same
+        # way): a longer conversation is refused before it is tokenised, which costs seconds for megabytes of text
+        self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
         self.device = device
         self._lock = threading.Lock()  # the pad id is set on the shared config for each forward
         self.info = {"model": folder, "kind": self.kind, "vocabulary": None}
@@ -155,6 +158,11 @@ class HubRewardModel:
         ids: dict[int, list[int]] = {}
         for i, messages in enumerate(values):
             if isinstance(messages, RewardFailure):
+                continue
+            chars = sum(len(m["content"]) for m in messages)
+            if chars > limit * self.max_token_chars:
+                values[i] = RewardFailure(f"conversation of {chars} characters, more than this reward model's "
+                                          f"{TOO_LONG} ({limit} tokens) can hold in {self.folder}")
                 continue
             try:
                 row = self.ids(messages, truncated[i])
