@@ -259,3 +259,15 @@ def test_a_huge_text_is_refused_before_it_is_tokenised(hub_rm):
     (value,) = rm.scores(["x" * 20_000_000], [{"problem": "p"}], [False])
     assert "characters, more than this reward model's max_length" in value.reason and called == []
     assert time.perf_counter() - t0 < 5
+
+
+def test_a_hub_rm_in_bfloat16_scores_near_float32(hub_rm):
+    """The GPU setting (`dtype: bfloat16`) on CPU: the weights load in bf16 and the scores stay near float32's
+    (bf16 keeps 8 bits of mantissa: a few hundredths on scores of about 1-2)."""
+    samples = [{"problem": p} for p in PROBLEMS for _ in ANSWERS]
+    answers = ANSWERS * len(PROBLEMS)
+    half = HubRewardModel(str(hub_rm), dtype="bfloat16")
+    assert {p.dtype for p in half.model.parameters()} == {torch.bfloat16}
+    low = half.scores(answers, samples, [False] * len(answers), batch_size=4)
+    full = HubRewardModel(str(hub_rm)).scores(answers, samples, [False] * len(answers), batch_size=4)
+    assert low == pytest.approx(full, abs=0.1) and low != pytest.approx(full, abs=1e-6)
