@@ -338,6 +338,15 @@ def test_a_hub_reward_model_served_by_vllm_scores_what_transformers_does(tmp_pat
         assert served.extra["reward_model"]["too_long"] == local.extra["reward_model"]["too_long"] == 1
         assert served.failures["reward_model"] == local.failures["reward_model"] == 2
         assert len({round(v, 3) for v in theirs if v is not None}) == 6
+        # `vlmrl train` against it: bound (asked for its models) before a step, and every answer scored or counted
+        run = tmp_path / "run"
+        vlmrl_train([*QUIET, "sft.steps=0", "trainer.steps=2", "data.train.n=8", "data.eval.n=4",
+                     "rollout.prompts_per_step=2", "rollout.group_size=4", f"trainer.output_dir={run}",
+                     f"rewards=[{{name: reward_model, path: '{url}', kwargs: {{server: vllm}}}}, "
+                     "{name: accuracy, weight: 0}]"], tmp_path / "train.log")
+        rows = _metrics(run)
+        assert len(rows) == 2 and all(r["reward/reward_model/count"] + r["reward/reward_model/failures"] == 8
+                                      and r["reward/reward_model/count"] >= 6 for r in rows)
     finally:
         server.terminate()
         server.wait(60)
