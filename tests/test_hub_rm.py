@@ -271,3 +271,12 @@ def test_a_hub_rm_in_bfloat16_scores_near_float32(hub_rm):
     low = half.scores(answers, samples, [False] * len(answers), batch_size=4)
     full = HubRewardModel(str(hub_rm)).scores(answers, samples, [False] * len(answers), batch_size=4)
     assert low == pytest.approx(full, abs=0.1) and low != pytest.approx(full, abs=1e-6)
+
+
+def test_a_tokenizer_without_special_tokens_refuses_nothing():
+    """An empty alternation would match every text (and refuse every answer): no tokens find nothing."""
+    from vlmrl.rewards.hub_rm import special_tokens
+
+    assert special_tokens([]).search("<|im_end|> any text") is None
+    found = special_tokens(["<|im_end|>", "<|im", ""]).search("a <|im_end|> b")
+    assert found.group(0) == "<|im_end|>"  # the longest spelling first

@@ -19,6 +19,7 @@ says so, never a guess.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from vlmrl.errors import ConfigError
@@ -44,8 +45,6 @@ def pooling_reply(raw: bytes, attempts: int) -> list[float] | None:
 def step_texts(completion: str, split: str, think_tag: str) -> list[str]:
     """The answer's steps as text (the `process` reward's split); what follows the last step (the answer, its think
     tags dropped) joins it."""
-    import re
-
     from vlmrl.rewards.reasoning import step_spans
 
     spans = step_spans(completion, split, think_tag)
@@ -68,8 +67,6 @@ class VllmProcessRewardModel(VllmRewardModel):
     def scores(self, completions: list[str], samples: list[dict], truncated: list[bool],
                template: str = "{problem}", system: str | None = None, process: dict | None = None) -> list[Any]:
         """Each answer's aggregated step score, or a RewardFailure saying why it has none."""
-        import re
-
         from vlmrl.models.reward_model import AGGREGATES, aggregate_steps
 
         cfg = {"step_token": "<extra_0>", "aggregate": "min", "split": "lines", "think_tag": "think",

@@ -28,6 +28,7 @@ engine). A conversation longer than the served model's context is a RewardFailur
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -48,6 +49,7 @@ SPECIAL = "a special token of the reward model's tokenizer"  # what a refused sp
 CONTROL_TOKENS = re.compile(r"<\|[^\s<>|]{1,40}\|>|<start_of_turn>|<end_of_turn>|\[/?INST\]")
 _MODELS: dict[tuple[str, str, str], HubRewardModel] = {}
 _LOCK = threading.Lock()
+_WARNED: list[bool] = []  # the images warning, once per process
 
 
 class TemplateColumnMissing(FatalRewardError):
@@ -55,8 +57,10 @@ class TemplateColumnMissing(FatalRewardError):
     stops with what to set."""
 
 
+@functools.lru_cache(maxsize=256)
 def is_hub_folder(path: Any) -> bool:
-    """Whether `path` is a model folder of a sequence classifier that vlmrl did not train (no reward_model.json)."""
+    """Whether `path` is a model folder of a sequence classifier that vlmrl did not train (no reward_model.json);
+    asked once per path (every reward call asks)."""
     folder = Path(str(path))
     if not (folder / "config.json").is_file() or (folder / "reward_model.json").exists():
         return False
@@ -77,8 +81,8 @@ def conversations(completions: list[str], samples: list[dict], template: str, sy
             user = template.format_map({k: v for k, v in sample.items() if isinstance(v, str)})
         except KeyError as exc:
             have = sorted(k for k, v in sample.items() if isinstance(v, str))
-            raise TemplateColumnMissing(f"{where}: template {template!r} needs column {exc.args[0]!r}, which sample {i} does "
-                              f"not have (it has {have}); set the reward's kwargs.template") from None
+            raise TemplateColumnMissing(f"{where}: template {template!r} needs column {exc.args[0]!r}, which sample "
+                                        f"{i} does not have (it has {have}); set the reward's kwargs.template") from None
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": user}, {"role": "assistant", "content": str(completion)}]
         found = _special(special, [m["content"] for m in messages])
@@ -97,11 +101,17 @@ def _special(special: re.Pattern, texts: list[str]) -> tuple[str, int] | None:
     return None
 
 
+def special_tokens(tokens) -> re.Pattern:
+    """A pattern that finds any of `tokens` in a text, the longest first; one that finds nothing for no tokens."""
+    spelled = sorted({str(t) for t in tokens if t}, key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, spelled)) if spelled else r"(?!)")
+
+
 def unseen_images(samples: list[dict]) -> int:
     """How many of the answers' prompts have images (which a text RM does not see); said once per process."""
     n = sum(bool(s.get("images")) for s in samples)
-    if n and not getattr(unseen_images, "said", False):
-        unseen_images.said = True
+    if n and not _WARNED:
+        _WARNED.append(True)
         log.warning("reward_model: a Hugging Face sequence-classifier RM reads text only; answers to prompts with "
                     "images are scored without them (counted in reward/reward_model/images_unseen)")
     return n
@@ -132,9 +142,8 @@ class HubRewardModel:
         config = self.model.config.get_text_config()
         self.max_length = min(int(getattr(config, "max_position_embeddings", None) or 2**31),
                               int(self.tokenizer.model_max_length or 2**31))
-        tokens = ({str(t) for t in self.tokenizer.all_special_tokens}
-                  | {t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special})
-        self.special = re.compile("|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True) if t))
+        self.special = special_tokens([*self.tokenizer.all_special_tokens,
+                                       *(t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special)])
         # no token spells more characters than its vocabulary entry (vlmrl's processor bounds prompts the same
         # way): a longer conversation is refused before it is tokenised, which costs seconds for megabytes of text
         self.max_token_chars = max(1, max(map(len, self.tokenizer.get_vocab()), default=1))
@@ -183,8 +192,7 @@ class HubRewardModel:
             pad = config.pad_token_id
             if pad is None:  # the model card's batch of one scores the last token: pad with an id no row holds
                 used = {t for i in rows for t in ids[i]}
-                pad = next(t for t in range(self.model.config.get_text_config().vocab_size - 1, -1, -1)
-                           if t not in used)
+                pad = next(t for t in range(config.vocab_size - 1, -1, -1) if t not in used)
             batch = torch.full((len(rows), width), pad, dtype=torch.long)
             mask = torch.zeros((len(rows), width), dtype=torch.long)
             for r, i in enumerate(rows):  # right padding: the rightmost non-pad token is the row's last
@@ -233,19 +241,10 @@ class VllmRewardModel:
 
     def __init__(self, base_url: str, model: str | None = None, api_key_env: str | None = None,
                  timeout: float = 120.0, concurrency: int = 4, max_retries: int = 3):
-        import os
+        from vlmrl.rewards.served_rm import Refusals, rm_endpoint
 
-        from vlmrl.rewards.judge_http import ChatEndpoint
-        from vlmrl.rewards.served_rm import Refusals
-
-        api_key = os.environ.get(api_key_env) if api_key_env else None
-        if api_key_env and not api_key:
-            raise ConfigError(f"reward_model api_key_env={api_key_env}: that environment variable is not set")
         root = base_url.rstrip("/").removesuffix("/v1")
-        self.endpoint = ChatEndpoint(root, api_key=api_key, api_key_env=api_key_env, timeout=timeout,
-                                     max_retries=max_retries, backoff_base=0.5, backoff_max=10.0, retry_after_max=30.0,
-                                     connect_window=120.0, concurrency=concurrency, count=lambda _name: None,
-                                     path=self.route, parse=self.parse, what="reward model")
+        self.endpoint = rm_endpoint(root, self.route, self.parse, api_key_env, timeout, concurrency, max_retries)
         try:
             served = [m["id"] for m in self.endpoint.get_json("/v1/models", timeout=min(30.0, timeout))["data"]]
         except Exception as exc:  # noqa: BLE001 - any failure is reported the same way

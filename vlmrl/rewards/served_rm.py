@@ -47,20 +47,28 @@ class ServedRewardModelRefused(FatalRewardError):
     """The served RM refused REFUSAL_LIMIT requests in a row the same way: training stops with its message."""
 
 
+def rm_endpoint(base_url: str, route: str, parse, api_key_env: str | None, timeout: float, concurrency: int,
+                max_retries: int):
+    """The HTTP side of a served RM's client (vlmrl's or vLLM's): `route` under `base_url`, its reply `parse`r, the
+    key from `api_key_env` (a ConfigError when that variable is unset), and the judge's retries."""
+    from vlmrl.rewards.judge_http import ChatEndpoint
+
+    api_key = os.environ.get(api_key_env) if api_key_env else None
+    if api_key_env and not api_key:
+        raise ConfigError(f"reward_model api_key_env={api_key_env}: that environment variable is not set")
+    return ChatEndpoint(base_url, api_key=api_key, api_key_env=api_key_env, timeout=timeout, max_retries=max_retries,
+                        backoff_base=0.5, backoff_max=10.0, retry_after_max=30.0, connect_window=120.0,
+                        concurrency=concurrency, count=lambda _name: None, path=route, parse=parse,
+                        what="reward model")
+
+
 class ServedRewardModel:
     """The client of one served RM (module docstring); `info` is its GET /v1/info."""
 
     def __init__(self, base_url: str, model: str | None = None, api_key_env: str | None = None,
                  timeout: float = 120.0, concurrency: int = 4, max_retries: int = 3):
-        from vlmrl.rewards.judge_http import ChatEndpoint
-
-        api_key = os.environ.get(api_key_env) if api_key_env else None
-        if api_key_env and not api_key:
-            raise ConfigError(f"reward_model api_key_env={api_key_env}: that environment variable is not set")
-        self.endpoint = ChatEndpoint(base_url, api_key=api_key, api_key_env=api_key_env, timeout=timeout,
-                                     max_retries=max_retries, backoff_base=0.5, backoff_max=10.0, retry_after_max=30.0,
-                                     connect_window=120.0, concurrency=concurrency, count=lambda _name: None,
-                                     path="/rewards", parse=rewards_reply, what="reward model")
+        self.endpoint = rm_endpoint(base_url, "/rewards", rewards_reply, api_key_env, timeout, concurrency,
+                                    max_retries)
         try:
             self.info = self.endpoint.get_json("/info", timeout=min(30.0, timeout))
             served = self.info["model"]
